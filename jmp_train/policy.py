@@ -1,0 +1,248 @@
+"""Mixed-precision policies: which dtype params, computation and outputs use.
+
+A `Policy` is a frozen, hashable value. Its casts touch only the floating
+dtypes a policy can name (float16, bfloat16, float32, float64): integer,
+boolean and float8 leaves, Python scalars and non-array objects pass through
+unchanged. This module is a drop-in superset of jmp 0.0.4's policy API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+# The floating dtypes a policy names, and so the only dtypes a cast touches.
+# float8 arrays carry their own scales (see fp8 recipes) and are never cast.
+_CASTABLE = frozenset(
+  np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+)
+
+_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
+  np.dtype(jnp.float32): ("float32", "f32", "full", "single"),
+  np.dtype(jnp.bfloat16): ("bfloat16", "bf16"),
+  np.dtype(jnp.float16): ("float16", "f16"),
+  np.dtype(jnp.float64): ("float64", "f64", "double"),
+}
+_NAME_TO_DTYPE = {n: d for d, names in _DTYPE_NAMES.items() for n in names}
+_ACCEPTED_DTYPE_NAMES = ", ".join(sorted([*_NAME_TO_DTYPE, "half"]))
+
+_KEYS = {
+  "p": "param_dtype",
+  "params": "param_dtype",
+  "c": "compute_dtype",
+  "compute": "compute_dtype",
+  "o": "output_dtype",
+  "output": "output_dtype",
+}
+_EXAMPLE = "'params=float32,compute=bfloat16,output=float32'"
+
+
+def half_dtype() -> type[jnp.bfloat16] | type[jnp.float16]:
+  """Returns the half-precision dtype for the current backend.
+
+  `jnp.bfloat16` on TPU, `jnp.float16` elsewhere. As in jmp, this is the
+  callable scalar type, so `half_dtype()(2**15)` makes a scalar.
+  """
+  on_tpu = jax.local_devices()[0].platform == "tpu"
+  return jnp.bfloat16 if on_tpu else jnp.float16
+
+
+def _parse_dtype(name: str, context: str) -> np.dtype:
+  key = name.strip().lower()
+  if key == "half":
+    return np.dtype(half_dtype())
+  try:
+    return _NAME_TO_DTYPE[key]
+  except KeyError:
+    raise ValueError(
+      f"Unknown dtype {name!r} in policy {context!r}: accepted names are "
+      f"{_ACCEPTED_DTYPE_NAMES}."
+    ) from None
+
+
+def _as_policy_dtype(value: Any, field: str) -> np.dtype:
+  """Normalises a dtype-like (jnp.float32, np.dtype, 'bf16') to np.dtype."""
+  if isinstance(value, str):
+    return _parse_dtype(value, f"{field}={value}")
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    raise TypeError(
+      f"{field} must be a floating dtype such as jnp.bfloat16, got {value!r}."
+    ) from None
+  if dtype not in _CASTABLE:
+    raise ValueError(
+      f"{field} must be one of float16, bfloat16, float32, float64; got "
+      f"{dtype.name}."
+    )
+  return dtype
+
+
+def _is_castable(x: Any) -> bool:
+  return (
+    isinstance(x, (jax.Array, np.ndarray, np.generic)) and x.dtype in _CASTABLE
+  )
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+  """Casts the float16/bfloat16/float32/float64 array leaves of `tree`.
+
+  Args:
+    tree: any pytree.
+    dtype: the target floating dtype.
+
+  Returns:
+    `tree` with those leaves cast to `dtype`; every other leaf is returned
+    as it is (the same object).
+  """
+  dtype = np.dtype(dtype)
+
+  def cast(x):
+    return x.astype(dtype) if _is_castable(x) and x.dtype != dtype else x
+
+  return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Encapsulates casting for inputs, outputs and parameters.
+
+  Dtype fields are normalised to `numpy.dtype`, so `Policy(jnp.float32, ...)`
+  and `Policy(np.float32, ...)` are equal and hash alike; names such as
+  `"bf16"` are accepted too.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> print(policy)
+    params=float32,compute=bfloat16,output=float32
+    >>> policy.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
+    dtype(bfloat16)
+    >>> get_policy(str(policy)) == policy
+    True
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+
+  def __post_init__(self):
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      object.__setattr__(
+        self, field, _as_policy_dtype(getattr(self, field), field)
+      )
+
+  def cast_to_param(self, x: T) -> T:
+    """Converts floating point leaves to the param dtype."""
+    return cast_floating(x, self.param_dtype)
+
+  def cast_to_compute(self, x: T) -> T:
+    """Converts floating point leaves to the compute dtype."""
+    return cast_floating(x, self.compute_dtype)
+
+  def cast_to_output(self, x: T) -> T:
+    """Converts floating point leaves to the output dtype."""
+    return cast_floating(x, self.output_dtype)
+
+  def with_param_dtype(self, param_dtype: Any) -> Policy:
+    return dataclasses.replace(self, param_dtype=param_dtype)
+
+  def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+    return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+  def with_output_dtype(self, output_dtype: Any) -> Policy:
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+  def __str__(self) -> str:
+    return (
+      f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+      f"output={self.output_dtype.name}"
+    )
+
+  def __repr__(self) -> str:
+    return f"get_policy({str(self)!r})"
+
+
+def get_policy(policy: str | Policy) -> Policy:
+  """Returns a policy parsed from a string (a `Policy` is returned as is).
+
+  The grammar is jmp's: comma-separated `key=dtype` parts with keys
+  `params`/`p`, `compute`/`c`, `output`/`o`, or a single dtype name meaning all
+  three. Unspecified params default to float32, compute follows params and
+  output follows compute. Dtype names: f32, float32, full, single, bf16,
+  bfloat16, f16, float16, half (bfloat16 on TPU, float16 elsewhere), f64,
+  float64, double.
+
+  Args:
+    policy: a policy string, or a `Policy`.
+
+  Returns:
+    The parsed `Policy`.
+
+  Raises:
+    ValueError: for an empty string, an unknown key or dtype, a part without
+      `=`, or a key given twice; the message names the bad part and what is
+      accepted.
+
+  Example:
+    >>> get_policy("c=bf16")
+    get_policy('params=float32,compute=bfloat16,output=bfloat16')
+    >>> get_policy("half") == get_policy("p=f16,c=f16,o=f16")  # on CPU
+    True
+  """
+  if isinstance(policy, Policy):
+    return policy
+  if not isinstance(policy, str):
+    raise TypeError(f"A policy is a string or a Policy, got {policy!r}.")
+  text = policy.strip()
+  if not text:
+    raise ValueError(
+      f"Empty policy string: expected a dtype name ({_ACCEPTED_DTYPE_NAMES}) "
+      f"or key=dtype parts such as {_EXAMPLE}."
+    )
+  if "=" not in text:
+    dtype = _parse_dtype(text, policy)
+    return Policy(dtype, dtype, dtype)
+
+  found: dict[str, np.dtype] = {}
+  for part in text.split(","):
+    key, sep, value = part.partition("=")
+    key = key.strip().lower()
+    if not sep or not key or not value.strip():
+      raise ValueError(
+        f"Bad part {part.strip()!r} in policy {policy!r}: expected key=dtype "
+        f"parts such as {_EXAMPLE}."
+      )
+    if key not in _KEYS:
+      raise ValueError(
+        f"Unknown key {key!r} in policy {policy!r}: accepted keys are params "
+        "(p), compute (c) and output (o)."
+      )
+    field = _KEYS[key]
+    if field in found:
+      raise ValueError(
+        f"Key {key!r} sets {field} twice in policy {policy!r}: give each of "
+        "params, compute and output at most once."
+      )
+    found[field] = _parse_dtype(value, policy)
+
+  param = found.get("param_dtype", np.dtype(jnp.float32))
+  compute = found.get("compute_dtype", param)
+  output = found.get("output_dtype", compute)
+  return Policy(param, compute, output)
+
+
+def cast_to_full(tree: T) -> T:
+  """Ensures floating point leaves of the given tree are float32."""
+  return cast_floating(tree, jnp.float32)
+
+
+def cast_to_half(tree: T) -> T:
+  """Ensures floating point leaves of the given tree are half precision."""
+  return cast_floating(tree, half_dtype())

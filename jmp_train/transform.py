@@ -1,0 +1,286 @@
+"""The optax transformation: loss-scale handling, skipping and master weights.
+
+`mixed_precision(inner)` wraps any optax optimizer. Its `update` receives the
+gradients of the *scaled* loss, in the params' dtype, and
+
+1. casts them to float32 (at least) and unscales them by the loss scale that
+   was used for the backward pass;
+2. checks, as one global predicate, that every gradient is finite;
+3. on a finite step runs `inner` on the float32 gradients and float32 params
+   (the master weights where params are stored below float32);
+4. on a non-finite step emits updates that leave params bit-identical and
+   keeps the inner state and master weights bit-identical;
+5. adjusts the loss scale and counts steps, skipped steps and the grad norm.
+
+Integer and other non-float param leaves are hidden from `inner` (like
+`optax.masked`) and never change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_train import loss_scale as ls_lib
+
+_MASKED = optax.MaskedNode()
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _full_dtype(dtype) -> np.dtype:
+  """The dtype the inner optimizer sees for a float param: >= float32."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _needs_master(x: Any) -> bool:
+  return _is_float(x) and np.dtype(x.dtype).itemsize < 4
+
+
+class MixedPrecisionState(NamedTuple):
+  """State of `mixed_precision`.
+
+  Attributes:
+    loss_scaler: the loss scale (NoOp, Static or Dynamic) to multiply the
+      next loss by; `current_loss_scale` reads it.
+    master_params: float32 copies of the params stored below float32, with
+      `optax.MaskedNode()` where a param keeps no master copy.
+    inner_state: the wrapped optimizer's state.
+    steps: number of `update` calls.
+    skipped_steps: number of updates skipped for non-finite gradients.
+    last_step_finite: whether the last step's gradients were all finite.
+    grad_norm: global L2 norm of the last step's unscaled gradients.
+  """
+
+  loss_scaler: ls_lib.LossScale
+  master_params: optax.Params
+  inner_state: optax.OptState
+  steps: jax.Array
+  skipped_steps: jax.Array
+  last_step_finite: jax.Array
+  grad_norm: jax.Array
+
+
+def _as_loss_scale(loss_scale: Any) -> ls_lib.LossScale:
+  if isinstance(
+    loss_scale,
+    (ls_lib.NoOpLossScale, ls_lib.StaticLossScale, ls_lib.DynamicLossScale),
+  ):
+    return loss_scale
+  if loss_scale is None:
+    return ls_lib.NoOpLossScale()
+  if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+    return ls_lib.StaticLossScale(loss_scale)
+  raise TypeError(
+    "loss_scale must be a NoOpLossScale, StaticLossScale, DynamicLossScale, "
+    f"a positive number (static scale) or None, got {loss_scale!r}."
+  )
+
+
+def _check_same_structure(grads: Any, params: Any) -> None:
+  grads_def, params_def = jax.tree.structure(grads), jax.tree.structure(params)
+  if grads_def != params_def:
+    raise ValueError(
+      "mixed_precision: gradients and params must have the same tree "
+      f"structure; got gradients {grads_def} and params {params_def}."
+    )
+
+
+def mixed_precision(
+  inner: optax.GradientTransformation,
+  *,
+  loss_scale: ls_lib.LossScale | float | None = None,
+  master_weights: bool | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax optimizer for mixed-precision training.
+
+  Multiply the loss by `current_loss_scale(opt_state)` before differentiating
+  and pass the resulting gradients (in the params' dtype) to `update`; apply
+  the updates with `optax.apply_updates`. Place this transformation last: it
+  must see the raw gradients, and its updates are exact only when applied
+  unchanged. Clipping, weight decay and schedules belong in `inner`, which
+  sees unscaled float32 gradients and float32 params.
+
+  With master weights, after `optax.apply_updates` every low-precision param
+  equals its new float32 master cast to the param dtype, bit for bit: the
+  emitted update is the float32 difference `cast(new_master) - param`.
+
+  Args:
+    inner: the optimizer to wrap (any `optax.GradientTransformation`; extra
+      args such as `value` are forwarded to it).
+    loss_scale: a `NoOpLossScale` (the default, for float32 and bfloat16), a
+      `StaticLossScale`, a `DynamicLossScale` (see `dynamic_loss_scale`), or a
+      positive number meaning a static scale.
+    master_weights: keep float32 master copies of the float params stored
+      below float32. None (the default) or True: yes, for exactly those
+      params (float32 params are their own master); False: never, and
+      low-precision params are updated by rounding `param + update`.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `MixedPrecisionState`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jmp_train
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> tx = jmp_train.mixed_precision(
+    ...     optax.sgd(0.1), loss_scale=jmp_train.dynamic_loss_scale())
+    >>> opt_state = tx.init(params)
+    >>> scale = jmp_train.current_loss_scale(opt_state)
+    >>> grads = jax.grad(lambda p: scale * jnp.sum(p["w"].astype(jnp.float32)))(params)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> optax.apply_updates(params, updates)["w"]
+    Array([0.898438, 0.898438, 0.898438], dtype=bfloat16)
+    >>> opt_state.master_params["w"]
+    Array([0.9, 0.9, 0.9], dtype=float32)
+  """
+  scaler0 = _as_loss_scale(loss_scale)
+  if master_weights is not None and not isinstance(master_weights, bool):
+    raise TypeError(
+      f"master_weights must be True, False or None, got {master_weights!r}."
+    )
+  keep_masters = master_weights is not False
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params: optax.Params) -> MixedPrecisionState:
+    def master(p):
+      if keep_masters and _needs_master(p):
+        return jnp.asarray(p, jnp.float32)
+      return _MASKED
+
+    masters = jax.tree.map(master, params)
+    return MixedPrecisionState(
+      loss_scaler=scaler0,
+      master_params=masters,
+      inner_state=inner.init(_full_view(params, masters)),
+      steps=jnp.zeros([], jnp.int32),
+      skipped_steps=jnp.zeros([], jnp.int32),
+      last_step_finite=jnp.ones([], jnp.bool_),
+      grad_norm=jnp.zeros([], jnp.float32),
+    )
+
+  def update(grads, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        "mixed_precision needs params: call tx.update(grads, state, params)."
+      )
+    _check_same_structure(grads, params)
+    scaler = state.loss_scaler
+
+    # Unscaled gradients in float32 (at least); non-float leaves are masked.
+    def to_full(g, p):
+      if not _is_float(p):
+        return _MASKED
+      return jnp.asarray(g).astype(_full_dtype(p.dtype))
+
+    grads_full = scaler.unscale(jax.tree.map(to_full, grads, params))
+    finite = ls_lib.all_finite(grads_full)
+    grad_norm = optax.tree.norm(grads_full).astype(jnp.float32)
+
+    view = _full_view(params, state.master_params)
+    inner_updates, inner_state = inner.update(
+      grads_full, state.inner_state, view, **extra_args
+    )
+
+    def new_master(m, u):
+      if _is_masked(m):
+        return m
+      return (m + u).astype(jnp.float32)
+
+    masters = jax.tree.map(
+      new_master, state.master_params, inner_updates, is_leaf=_is_masked
+    )
+
+    # On a skipped step the update is -0.0: x + (-0.0) == x for every x,
+    # -0.0 included (x + 0.0 would turn -0.0 into +0.0).
+    def out_update(p, m, u):
+      if not _is_float(p):
+        return jnp.zeros_like(p)
+      if _is_masked(m):
+        delta = u.astype(_full_dtype(p.dtype))
+      else:
+        delta = m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+      return jnp.where(finite, delta, jnp.asarray(-0.0, delta.dtype))
+
+    updates = jax.tree.map(
+      out_update, params, masters, inner_updates, is_leaf=_is_masked
+    )
+    new_state = MixedPrecisionState(
+      loss_scaler=scaler.adjust(finite),
+      master_params=ls_lib.select_tree(finite, masters, state.master_params),
+      inner_state=ls_lib.select_tree(finite, inner_state, state.inner_state),
+      steps=state.steps + 1,
+      skipped_steps=state.skipped_steps + jnp.where(finite, 0, 1),
+      last_step_finite=finite,
+      grad_norm=grad_norm,
+    )
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
+  """The params as the inner optimizer sees them: float32 or wider, floats only."""
+
+  def view(p, m):
+    if not _is_masked(m):
+      return m
+    if not _is_float(p):
+      return _MASKED
+    return jnp.asarray(p).astype(_full_dtype(p.dtype))
+
+  return jax.tree.map(view, params, masters, is_leaf=_is_masked)
+
+
+def _find_state(opt_state: Any) -> MixedPrecisionState:
+  found = [
+    s
+    for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, MixedPrecisionState)
+    )
+    if isinstance(s, MixedPrecisionState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+      "Expected exactly one mixed_precision state in the optimizer state, "
+      f"found {len(found)}."
+    )
+  return found[0]
+
+
+def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
+  """The loss scale to multiply the next loss by (a float32 scalar).
+
+  Finds the `mixed_precision` state wherever it sits: inside `optax.chain`,
+  `optax.MultiSteps`, `optax.inject_hyperparams` or any pytree of states.
+  """
+  scaler = _find_state(opt_state).loss_scaler
+  return jnp.asarray(scaler.loss_scale, jnp.float32)
+
+
+def train_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
+  """Scalars to log: loss scale, step counts, finiteness and the grad norm.
+
+  Returns:
+    A dict with `loss_scale` (float32), `steps` and `skipped_steps` (int32),
+    `last_step_finite` (bool) and `grad_norm` (float32, the global L2 norm of
+    the last step's unscaled gradients). Works under jit; no host sync.
+  """
+  state = _find_state(opt_state)
+  return {
+    "loss_scale": jnp.asarray(state.loss_scaler.loss_scale, jnp.float32),
+    "steps": state.steps,
+    "skipped_steps": state.skipped_steps,
+    "last_step_finite": state.last_step_finite,
+    "grad_norm": state.grad_norm,
+  }

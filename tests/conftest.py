@@ -1,0 +1,47 @@
+"""Shared test setup: 8 virtual CPU devices, jit/no-jit variants, jaxpr probes."""
+
+import os
+
+# Must happen before jax initialises its backend.
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["jit", "nojit"])
+def variant(request):
+  """Runs a test once under jax.jit and once eagerly."""
+  return jax.jit if request.param == "jit" else (lambda f: f)
+
+
+def _subjaxprs(eqn):
+  for param in eqn.params.values():
+    for p in param if isinstance(param, (list, tuple)) else [param]:
+      if hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
+        yield p.jaxpr
+      elif hasattr(p, "eqns"):
+        yield p
+
+
+def primitive_operand_dtypes(fn, *args, primitive="dot_general"):
+  """Operand dtypes of every `primitive` in fn's jaxpr, nested jaxprs included."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == primitive:
+        found.append(tuple(v.aval.dtype.name for v in eqn.invars))
+      for sub in _subjaxprs(eqn):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.fixture
+def operand_dtypes():
+  return primitive_operand_dtypes

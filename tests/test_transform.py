@@ -1,0 +1,491 @@
+"""mixed_precision against plain optax runs, NumPy references and the rules."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmp_train
+
+OPTIMIZERS = {
+  "adam": lambda: optax.adam(1e-2),
+  "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "clip_adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1)
+  ),
+  "lion_schedule": lambda: optax.lion(optax.linear_schedule(1e-3, 1e-4, 10)),
+}
+
+
+def init_params(key=0, dtype=jnp.float32):
+  k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+  params = {
+    "w1": jax.random.normal(k1, (6, 16)) * 0.3,
+    "b1": jnp.zeros(16),
+    "w2": jax.random.normal(k2, (16, 3)) * 0.3,
+    "scale": jax.random.uniform(k3, (3,)) + 0.5,
+  }
+  return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def loss_fn(params, x, y):
+  p = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  h = jnp.tanh(x @ p["w1"] + p["b1"])
+  return jnp.mean(((h @ p["w2"]) * p["scale"] - y) ** 2)
+
+
+def batches(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [
+    (
+      rng.standard_normal((8, 6)).astype(np.float32),
+      rng.standard_normal((8, 3)).astype(np.float32),
+    )
+    for _ in range(n)
+  ]
+
+
+def make_step(tx, jit=True):
+  """A train step that differentiates the scaled loss, jitted or eager."""
+
+  def ours(params, state, x, y, poison):
+    scale = jmp_train.current_loss_scale(state)
+    grads = jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
+    grads = jax.tree.map(lambda g: g + poison.astype(g.dtype), grads)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(ours) if jit else ours
+
+
+def assert_trees_match(a, b, exact):
+  """Bit-exact op by op; one jitted program may fuse differently (FMA)."""
+  if exact:
+    chex.assert_trees_all_equal(a, b)
+  else:
+    chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def poison_value(kind):
+  return {"ok": 0.0, "inf": np.inf, "nan": np.nan}[kind]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_finite_steps_equal_plain_optax(name, jit):
+  # Power-of-two scales make scaling exact: op by op, every step must agree
+  # bit for bit with plain optax on the unscaled loss.
+  inner = OPTIMIZERS[name]()
+  tx = jmp_train.mixed_precision(
+    OPTIMIZERS[name](),
+    loss_scale=jmp_train.dynamic_loss_scale(2.0**12, growth_interval=3),
+  )
+  ours = make_step(tx, jit)
+  params = ref = init_params()
+  state, ref_state = tx.init(params), inner.init(ref)
+
+  def plain(p, s, x, y):
+    grads = jax.grad(loss_fn)(p, x, y)
+    updates, s = inner.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  plain = jax.jit(plain) if jit else plain
+  for x, y in batches(6):
+    params, state = ours(params, state, x, y, jnp.float32(0))
+    ref, ref_state = plain(ref, ref_state, x, y)
+  assert_trees_match(params, ref, exact=not jit)
+  assert_trees_match(state.inner_state, ref_state, exact=not jit)
+  assert int(state.skipped_steps) == 0 and int(state.steps) == 6
+  assert float(jmp_train.current_loss_scale(state)) == 2.0**14  # grew twice
+
+
+@pytest.mark.parametrize("params_dtype", [jnp.float32, jnp.bfloat16])
+def test_fault_injection_skips_exactly_the_bad_steps(params_dtype):
+  rng = np.random.default_rng(7)
+  kinds = rng.choice(["ok", "ok", "ok", "inf", "nan"], size=30)
+  inner = optax.adam(1e-2)
+  tx = jmp_train.mixed_precision(
+    optax.adam(1e-2),
+    loss_scale=jmp_train.dynamic_loss_scale(2.0**10, growth_interval=4),
+  )
+  ours = make_step(tx)
+  params = init_params(dtype=params_dtype)
+  state = tx.init(params)
+  data = batches(len(kinds), seed=1)
+  finite_grads = []
+  for (x, y), kind in zip(data, kinds, strict=True):
+    before_p, before_s = params, state
+    params, state = ours(params, state, x, y, jnp.float32(poison_value(kind)))
+    if kind != "ok":
+      # Params, inner state and master weights bit-identical on a skipped step.
+      chex.assert_trees_all_equal(params, before_p)
+      chex.assert_trees_all_equal(state.inner_state, before_s.inner_state)
+      chex.assert_trees_all_equal(state.master_params, before_s.master_params)
+      assert not bool(state.last_step_finite)
+    else:
+      finite_grads.append(jax.grad(loss_fn)(before_p, x, y))
+      assert bool(state.last_step_finite)
+  assert int(state.skipped_steps) == int((kinds != "ok").sum())
+  assert int(state.steps) == len(kinds)
+
+  if params_dtype == jnp.float32:
+    # The finite steps alone, through plain optax, give the same params.
+    ref, ref_state = init_params(), inner.init(init_params())
+    for g in finite_grads:
+      updates, ref_state = inner.update(g, ref_state, ref)
+      ref = optax.apply_updates(ref, updates)
+    assert_trees_match(params, ref, exact=False)
+    assert_trees_match(state.inner_state, ref_state, exact=False)
+
+
+def test_skipped_step_keeps_negative_zero_and_nan_params_bit_identical():
+  params = {
+    "w": jnp.array([-0.0, 0.0, 1.5, -2.0, np.nan], jnp.float32),
+    "h": jnp.array([-0.0, 1.0], jnp.bfloat16),
+  }
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  state = tx.init(params)
+  grads = {
+    "w": jnp.array([1.0, np.inf, 1.0, 1.0, 1.0]),
+    "h": jnp.ones(2, jnp.bfloat16),
+  }
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  for k in params:
+    np.testing.assert_array_equal(
+      np.asarray(new[k]).view(np.uint16 if k == "h" else np.uint32),
+      np.asarray(params[k]).view(np.uint16 if k == "h" else np.uint32),
+    )
+
+
+@pytest.mark.parametrize("params_dtype", [jnp.bfloat16, jnp.float16])
+def test_master_weights_follow_float32_optax_and_params_are_their_cast(
+  params_dtype, variant
+):
+  # The inner optimizer sees float32 grads and float32 masters: the masters
+  # must evolve exactly like plain optax on float32 params with those grads.
+  inner = optax.adamw(3e-3, weight_decay=0.01)
+  tx = jmp_train.mixed_precision(optax.adamw(3e-3, weight_decay=0.01))
+  params32 = init_params(3)
+  params = jax.tree.map(lambda x: x.astype(params_dtype), params32)
+  state = tx.init(params)
+  masters = state.master_params
+  chex.assert_trees_all_equal_dtypes(masters, params32)
+  ref, ref_state = masters, inner.init(masters)
+  update = variant(tx.update)
+  rng = np.random.default_rng(0)
+  for _ in range(8):
+    grads = jax.tree.map(
+      lambda p: jnp.asarray(rng.standard_normal(p.shape), params_dtype), params
+    )
+    updates, state = update(grads, state, params)
+    chex.assert_trees_all_equal_dtypes(
+      updates, jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    )
+    params = optax.apply_updates(params, updates)
+    r_updates, ref_state = inner.update(
+      jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_state, ref
+    )
+    ref = optax.apply_updates(ref, r_updates)
+    assert_trees_match(state.master_params, ref, exact=variant is not jax.jit)
+    # After apply_updates, params == cast(master), bit for bit, always.
+    chex.assert_trees_all_equal(
+      params,
+      jax.tree.map(lambda m: m.astype(params_dtype), state.master_params),
+    )
+    chex.assert_trees_all_equal_dtypes(
+      params, jax.tree.map(lambda m: m.astype(params_dtype), ref)
+    )
+
+
+def test_master_weights_matter_for_updates_below_half_an_ulp():
+  # bf16 has 8 significant bits: at 1.0 half an ulp is 2**-8 ~ 0.0039. SGD
+  # steps of 1e-4 vanish when added to bf16 params, not to float32 masters.
+  lr, steps = 1e-4, 1000
+  params32 = {"w": jnp.ones(4, jnp.float32)}
+  params16 = {"w": jnp.ones(4, jnp.bfloat16)}
+
+  def train(tx, params):
+    state = tx.init(params)
+
+    def body(carry, _):
+      p, s = carry
+      grads = jax.tree.map(jnp.ones_like, p)
+      updates, s = tx.update(grads, s, p)
+      return (optax.apply_updates(p, updates), s), None
+
+    (params, state), _ = jax.jit(lambda c: jax.lax.scan(body, c, length=steps))(
+      (params, state)
+    )
+    return params, state
+
+  float32_run, _ = train(optax.sgd(lr), params32)
+  with_master, state = train(jmp_train.mixed_precision(optax.sgd(lr)), params16)
+  without, _ = train(
+    jmp_train.mixed_precision(optax.sgd(lr), master_weights=False), params16
+  )
+  np.testing.assert_allclose(float32_run["w"], 1 - lr * steps, rtol=1e-4)
+  np.testing.assert_array_equal(state.master_params["w"], float32_run["w"])
+  np.testing.assert_array_equal(
+    with_master["w"], float32_run["w"].astype(jnp.bfloat16)
+  )
+  assert float(with_master["w"][0]) == pytest.approx(0.9, abs=2**-8)
+  np.testing.assert_array_equal(without["w"], params16["w"])  # frozen at 1.0
+
+
+def test_master_weights_auto_only_for_low_precision_floats():
+  params = {
+    "bf": jnp.ones(2, jnp.bfloat16),
+    "f16": jnp.ones(2, jnp.float16),
+    "f32": jnp.ones(2),
+    "i": jnp.arange(2),
+  }
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  for setting in (None, True):
+    m = (
+      jmp_train.mixed_precision(optax.sgd(1.0), master_weights=setting)
+      .init(params)
+      .master_params
+    )
+    assert m["bf"].dtype == jnp.float32 and m["f16"].dtype == jnp.float32
+    assert masked(m["f32"]) and masked(m["i"])
+  m = (
+    jmp_train.mixed_precision(optax.sgd(1.0), master_weights=False)
+    .init(params)
+    .master_params
+  )
+  assert all(masked(v) for v in m.values())
+  f32_only = jmp_train.mixed_precision(optax.adam(1.0)).init({"w": jnp.ones(2)})
+  assert jax.tree.leaves(f32_only.master_params) == []
+
+
+def test_integer_and_bool_leaves_pass_through_and_are_hidden_from_inner(
+  variant,
+):
+  params = {
+    "w": jnp.ones(3),
+    "step": jnp.int32(5),
+    "mask": jnp.array([True]),
+    "h": jnp.ones(2, jnp.bfloat16),
+  }
+  tx = jmp_train.mixed_precision(optax.adam(0.1))
+  state = tx.init(params)
+  assert isinstance(state.inner_state[0].mu["step"], optax.MaskedNode)
+  assert isinstance(state.inner_state[0].nu["mask"], optax.MaskedNode)
+  grads = {
+    "w": jnp.ones(3),
+    "step": np.zeros((), jax.dtypes.float0),
+    "mask": np.zeros((1,), jax.dtypes.float0),
+    "h": jnp.ones(2, jnp.bfloat16),
+  }
+  updates, state = variant(tx.update)(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  assert new["step"].dtype == jnp.int32 and int(new["step"]) == 5
+  assert new["mask"].dtype == jnp.bool_ and bool(new["mask"][0])
+  assert float(new["w"][0]) == pytest.approx(0.9)
+
+
+def test_multisteps_accumulates_then_updates_once():
+  k = 3
+  inner = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=k)
+  tx = optax.MultiSteps(
+    jmp_train.mixed_precision(
+      optax.adam(1e-2), loss_scale=jmp_train.dynamic_loss_scale(2.0**8)
+    ),
+    every_k_schedule=k,
+  )
+  ours = make_step(tx)
+  params = ref = init_params()
+  state, ref_state = tx.init(params), inner.init(ref)
+  for i, (x, y) in enumerate(batches(2 * k)):
+    params, state = ours(params, state, x, y, jnp.float32(0))
+    g = jax.grad(loss_fn)(ref, x, y)
+    updates, ref_state = inner.update(g, ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+    metrics = jmp_train.train_metrics(state)
+    assert int(metrics["steps"]) == (i + 1) // k  # inner update once per k
+  chex.assert_trees_all_close(params, ref, rtol=1e-6, atol=1e-7)
+  assert float(jmp_train.current_loss_scale(state)) == 2.0**8
+
+
+def test_inside_chain_with_inject_hyperparams_and_extra_args():
+  inner = optax.chain(
+    optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+    optax.contrib.reduce_on_plateau(
+      factor=0.5, patience=0, cooldown=0, accumulation_size=1
+    ),
+  )
+  tx = optax.chain(
+    optax.identity(),
+    jmp_train.mixed_precision(inner, loss_scale=jmp_train.StaticLossScale(4.0)),
+  )
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  assert float(jmp_train.current_loss_scale(state)) == 4.0
+  update = jax.jit(tx.update)
+  for value in [1.0, 2.0, 3.0]:  # a worsening loss: the plateau rule fires
+    grads = {"w": jnp.full(2, 4.0)}  # scaled: unscaled gradient is 1
+    updates, state = update(grads, state, params, value=jnp.float32(value))
+  plateau = optax.tree.get(state, "scale")
+  assert float(plateau) < 1.0  # `value` reached reduce_on_plateau
+  assert float(optax.tree.get(state, "learning_rate")) == pytest.approx(0.1)
+  metrics = jmp_train.train_metrics(state)
+  assert int(metrics["steps"]) == 3
+
+
+def test_contract_shapes_no_recompile_and_types_preserved():
+  tx = jmp_train.mixed_precision(
+    optax.adam(1e-3), loss_scale=jmp_train.dynamic_loss_scale()
+  )
+  params = init_params(dtype=jnp.bfloat16)
+  params["count"] = jnp.int32(0)
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
+  state_shape = jax.eval_shape(tx.init, abstract)
+  state = tx.init(params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, state_shape)
+
+  traces = []
+
+  @jax.jit
+  def step(params, state, grads):
+    traces.append(1)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  grads = jax.tree.map(
+    lambda p: (
+      jnp.ones_like(p)
+      if jnp.issubdtype(p.dtype, jnp.floating)
+      else np.zeros(p.shape, jax.dtypes.float0)
+    ),
+    params,
+  )
+  new_params, new_state = step(params, state, grads)
+  new_params, new_state = step(new_params, new_state, grads)
+  assert len(traces) == 1
+  assert jax.tree.map(jax.typeof, new_params) == jax.tree.map(
+    jax.typeof, params
+  )
+  assert jax.tree.map(jax.typeof, new_state) == jax.tree.map(jax.typeof, state)
+
+
+def test_sharded_params_global_predicate_and_types_under_jit():
+  mesh = jax.make_mesh(
+    (8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  shard = NamedSharding(mesh, P("data"))
+  repl = NamedSharding(mesh, P())
+  params = {
+    "w": jax.device_put(jnp.ones((64, 4), jnp.bfloat16), shard),
+    "b": jax.device_put(jnp.zeros(4, jnp.float32), repl),
+  }
+  tx = jmp_train.mixed_precision(
+    optax.adam(1e-2), loss_scale=jmp_train.dynamic_loss_scale(8.0)
+  )
+  state = jax.jit(tx.init)(params)
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  host = np.ones((64, 4), np.float32)
+  host[63, 3] = np.inf  # a single element, on the last device
+  bad = {
+    "w": jax.device_put(host.astype(jnp.bfloat16), shard),
+    "b": jax.device_put(jnp.ones(4), repl),
+  }
+  updates, state1 = step(bad, state, params)
+  assert not bool(state1.last_step_finite)
+  assert float(jmp_train.current_loss_scale(state1)) == 4.0
+  new = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(new, params)
+  good = {
+    "w": jax.device_put(jnp.ones((64, 4), jnp.bfloat16), shard),
+    "b": jax.device_put(jnp.ones(4), repl),
+  }
+  updates, state2 = step(good, state1, params)
+  assert bool(state2.last_step_finite)
+  assert jax.tree.map(jax.typeof, state2) == jax.tree.map(jax.typeof, state)
+  assert state2.master_params["w"].sharding.is_equivalent_to(shard, 2)
+  # The unscaled global grad norm: sqrt(sum of (g / 4)**2) over all shards.
+  want = np.sqrt((64 * 4 + 4) * (1 / 4.0) ** 2)
+  np.testing.assert_allclose(float(state2.grad_norm), want, rtol=1e-6)
+
+
+def test_train_metrics_against_numpy(variant):
+  tx = jmp_train.mixed_precision(
+    optax.sgd(0.1), loss_scale=jmp_train.dynamic_loss_scale(2.0**10)
+  )
+  params = init_params(dtype=jnp.float16)
+  state = tx.init(params)
+  rng = np.random.default_rng(3)
+  grads = jax.tree.map(
+    lambda p: jnp.asarray(rng.standard_normal(p.shape) * 50, jnp.float16),
+    params,
+  )
+  _, state = variant(tx.update)(grads, state, params)
+  metrics = variant(jmp_train.train_metrics)(state)
+  want = np.sqrt(
+    sum(
+      np.sum((np.asarray(g, np.float64) / 2**10) ** 2)
+      for g in jax.tree.leaves(grads)
+    )
+  )
+  np.testing.assert_allclose(float(metrics["grad_norm"]), want, rtol=1e-6)
+  assert metrics["grad_norm"].dtype == jnp.float32
+  assert float(metrics["loss_scale"]) == 2.0**10
+  assert int(metrics["steps"]) == 1 and int(metrics["skipped_steps"]) == 0
+  assert bool(metrics["last_step_finite"])
+  assert set(metrics) == {
+    "loss_scale",
+    "steps",
+    "skipped_steps",
+    "last_step_finite",
+    "grad_norm",
+  }
+
+
+def test_loss_scale_adjusts_like_the_scaler_inside_update():
+  sequence = [True, True, False, True, True, True, False, False]
+  scaler = jmp_train.dynamic_loss_scale(
+    2.0**10, growth_interval=2, hysteresis=2
+  )
+  tx = jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=scaler)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for finite in sequence:
+    grads = {"w": jnp.ones(2) if finite else jnp.array([1.0, np.nan])}
+    _, state = update(grads, state, params)
+    scaler = scaler.adjust(jnp.bool_(finite))
+    assert float(jmp_train.current_loss_scale(state)) == float(
+      scaler.loss_scale
+    )
+  assert int(state.skipped_steps) == 3
+
+
+def test_bad_input_raises_clear_errors():
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="needs params"):
+    tx.update({"w": jnp.ones(2)}, state)
+  with pytest.raises(ValueError, match="same tree structure"):
+    tx.update({"v": jnp.ones(2)}, state, params)
+  with pytest.raises(TypeError, match="loss_scale must be"):
+    jmp_train.mixed_precision(optax.sgd(0.1), loss_scale="dynamic")
+  with pytest.raises(TypeError, match="master_weights must be"):
+    jmp_train.mixed_precision(optax.sgd(0.1), master_weights="yes")
+  with pytest.raises(ValueError, match="found 0"):
+    jmp_train.current_loss_scale(optax.adam(1.0).init(params))
+  two = optax.chain(
+    jmp_train.mixed_precision(optax.sgd(1.0)),
+    jmp_train.mixed_precision(optax.sgd(1.0)),
+  )
+  with pytest.raises(ValueError, match="found 2"):
+    jmp_train.train_metrics(two.init(params))
+  # A number means a static scale.
+  static = jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=128.0)
+  assert float(jmp_train.current_loss_scale(static.init(params))) == 128.0
