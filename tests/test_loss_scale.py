@@ -276,7 +276,9 @@ def test_jmp_adjust_reduces_to_min(period, factor, min_loss_scale):
   for i in range(100):
     ls = ls.adjust(jnp.bool_(False))
     np.testing.assert_allclose(
-      ls.loss_scale, max(min_loss_scale, init / factor ** (i + 1)), rtol=1e-5
+      ls.loss_scale,
+      max(min_loss_scale, float(init) / factor ** (i + 1)),
+      rtol=1e-5,
     )
     assert ls.counter == 0
 

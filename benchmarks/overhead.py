@@ -1,0 +1,180 @@
+"""Step-time overhead of mixed_precision(optax.adam) vs plain optax.adam.
+
+Three jitted train steps on one MLP (~10.5M params, float32 params), timed
+side by side in one process, in rotated order, median of --steps rounds:
+
+  plain     grads of the loss, optax.adam, apply_updates
+  skip-only plain, with the adam update under lax.cond(all_finite(grads)):
+            the least any exact skip of non-finite steps costs
+  ours      grads of the scaled loss, mixed_precision(adam, dynamic scaling)
+  jmp-style grads of the scaled loss, unscale, all_finite, adjust, adam,
+            select_tree on params and optimizer state (jmp's README recipe)
+
+With --update-only the forward/backward pass is left out (fixed gradients),
+which isolates the transformation's own cost.
+
+  python benchmarks/overhead.py                 # full train step
+  python benchmarks/overhead.py --update-only   # optimizer update alone
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_train
+
+
+def parse_args():
+  p = argparse.ArgumentParser()
+  p.add_argument("--dims", default="1024,2048,2048,2048,10")
+  p.add_argument("--batch", type=int, default=256)
+  p.add_argument("--steps", type=int, default=30, help="timed rounds")
+  p.add_argument("--warmup", type=int, default=5)
+  p.add_argument("--update-only", action="store_true")
+  p.add_argument("--json", default=None, help="also write results here")
+  return p.parse_args()
+
+
+def init_mlp(dims, key):
+  params = []
+  for d_in, d_out in zip(dims[:-1], dims[1:], strict=True):
+    key, sub = jax.random.split(key)
+    params.append(
+      {
+        "w": jax.random.normal(sub, (d_in, d_out)) / np.sqrt(d_in),
+        "b": jnp.zeros(d_out),
+      }
+    )
+  return params
+
+
+def loss_fn(params, x, y):
+  for layer in params[:-1]:
+    x = jax.nn.relu(x @ layer["w"] + layer["b"])
+  logits = x @ params[-1]["w"] + params[-1]["b"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_steps(update_only):
+  adam = optax.adam(1e-3)
+  ours_tx = jmp_train.mixed_precision(
+    optax.adam(1e-3), loss_scale=jmp_train.dynamic_loss_scale()
+  )
+
+  def grads_of(params, x, y, scale):
+    if update_only:
+      return jax.tree.map(lambda p: x[0, 0] * scale * jnp.ones_like(p), params)
+    return jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
+
+  def plain(params, state, x, y):
+    grads = grads_of(params, x, y, 1.0)
+    updates, state = adam.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def skip_only(params, state, x, y):
+    grads = grads_of(params, x, y, 1.0)
+    updates, state = jax.lax.cond(
+      jmp_train.all_finite(grads),
+      lambda: adam.update(grads, state, params),
+      lambda: (jax.tree.map(jnp.zeros_like, grads), state),
+    )
+    return optax.apply_updates(params, updates), state
+
+  def ours(params, state, x, y):
+    grads = grads_of(params, x, y, jmp_train.current_loss_scale(state))
+    updates, state = ours_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def jmp_style(params, state, x, y):
+    opt_state, loss_scale = state
+    grads = loss_scale.unscale(grads_of(params, x, y, loss_scale.loss_scale))
+    finite = jmp_train.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = adam.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params = jmp_train.select_tree(finite, new_params, params)
+    opt_state = jmp_train.select_tree(finite, new_opt_state, opt_state)
+    return params, (opt_state, loss_scale)
+
+  inits = {
+    "plain": adam.init,
+    "skip-only": adam.init,
+    "ours": ours_tx.init,
+    "jmp-style": lambda p: (adam.init(p), jmp_train.dynamic_loss_scale()),
+  }
+  fns = {
+    "plain": plain,
+    "skip-only": skip_only,
+    "ours": ours,
+    "jmp-style": jmp_style,
+  }
+  return {k: (inits[k], jax.jit(fns[k], donate_argnums=(0, 1))) for k in fns}
+
+
+def main():
+  args = parse_args()
+  dims = [int(d) for d in args.dims.split(",")]
+  key = jax.random.key(0)
+  n_params = sum(p.size for p in jax.tree.leaves(init_mlp(dims, key)))
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((args.batch, dims[0])), jnp.float32)
+  y = jnp.asarray(rng.integers(0, dims[-1], args.batch))
+
+  steps = make_steps(args.update_only)
+  state = {}
+  for name, (init, step) in steps.items():
+    params = init_mlp(dims, key)
+    state[name] = (params, init(params))
+    for _ in range(args.warmup):
+      state[name] = step(*state[name], x, y)
+    jax.block_until_ready(state[name])
+
+  times = {name: [] for name in steps}
+  names = list(steps)
+  for i in range(args.steps):
+    k = i % len(names)
+    order = names[k:] + names[:k]  # rotate to spread drift evenly
+    for name in order:
+      step = steps[name][1]
+      t0 = time.perf_counter()
+      state[name] = jax.block_until_ready(step(*state[name], x, y))
+      times[name].append(time.perf_counter() - t0)
+
+  median = {name: statistics.median(t) for name, t in times.items()}
+  result = {
+    "what": "optimizer update only" if args.update_only else "full train step",
+    "params": int(n_params),
+    "batch": args.batch,
+    "rounds": args.steps,
+    "median_ms": {k: round(v * 1e3, 3) for k, v in median.items()},
+    "ratio_vs_plain": {
+      k: round(v / median["plain"], 4) for k, v in median.items()
+    },
+    "skipped_steps_ours": int(
+      jmp_train.train_metrics(state["ours"][1])["skipped_steps"]
+    ),
+    "device": f"{jax.devices()[0].device_kind}, {jax.device_count()} device(s), "
+    f"{platform.machine()}",
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+  }
+  print(json.dumps(result, indent=1))
+  print("\n| step | median ms | ratio vs plain |\n|---|---|---|")
+  for name in names:
+    print(
+      f"| {name} | {median[name] * 1e3:.2f} | {median[name] / median['plain']:.3f}x |"
+    )
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,234 @@
+"""Train a small CNN on scikit-learn's bundled 8x8 digits with a jmp_train preset.
+
+  python examples/digits.py                        # fp16-mixed: f16 compute, loss scaling
+  python examples/digits.py --preset bf16-true     # bf16 params + FP32 master weights
+  python examples/digits.py --preset fp32 --epochs 10
+
+Writes runs/digits-<preset>/metrics.json and runs/digits-<preset>/curves.png.
+The data ships with scikit-learn: nothing is downloaded.
+"""
+
+import argparse
+import json
+import pathlib
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from tqdm import tqdm
+
+import jmp_train
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument(
+    "--preset", default="fp16-mixed", choices=list(jmp_train.PRESETS)
+  )
+  p.add_argument("--epochs", type=int, default=30)
+  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--weight-decay", type=float, default=1e-4)
+  p.add_argument(
+    "--init-scale",
+    type=float,
+    default=2.0**15,
+    help="initial loss scale (presets with dynamic scaling)",
+  )
+  p.add_argument(
+    "--growth-interval",
+    type=int,
+    default=100,
+    help="finite steps between loss-scale growths; shorter than "
+    "the presets' 2000 so a short run shows the scaler work",
+  )
+  p.add_argument(
+    "--max-steps", type=int, default=None, help="stop early (tests)"
+  )
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="runs", help="output folder")
+  return p.parse_args(argv)
+
+
+class CNN(nn.Module):
+  """Two conv blocks with BatchNorm, then an MLP head."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    for features in (32, 64):
+      x = nn.Conv(features, (3, 3))(x)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+      x = nn.relu(x)
+    x = nn.avg_pool(x, (2, 2), strides=(2, 2)).reshape(x.shape[0], -1)
+    x = nn.relu(nn.Dense(128)(x))
+    x = nn.Dropout(0.2, deterministic=not train)(x)
+    return nn.Dense(10)(x)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  out_dir = pathlib.Path(args.out) / f"digits-{args.preset}"
+  out_dir.mkdir(parents=True, exist_ok=True)
+
+  # Data: 1797 8x8 images, 80/20 stratified split.
+  digits = load_digits()
+  images = (digits.images / 16.0).astype(np.float32)[..., None]
+  x_train, x_test, y_train, y_test = train_test_split(
+    images,
+    digits.target,
+    test_size=0.2,
+    stratify=digits.target,
+    random_state=args.seed,
+  )
+  steps_per_epoch = len(x_train) // args.batch_size
+  total_steps = args.epochs * steps_per_epoch
+  if args.max_steps is not None:
+    total_steps = min(total_steps, args.max_steps)
+
+  # Model and optimizer from the preset.
+  preset = jmp_train.get_preset(args.preset)
+  loss_scale = preset.loss_scale
+  if isinstance(loss_scale, jmp_train.DynamicLossScale):
+    loss_scale = jmp_train.dynamic_loss_scale(
+      init_scale=args.init_scale, growth_interval=args.growth_interval
+    )
+  model = jmp_train.linen.wrap(CNN(), preset.policy)
+  key = jax.random.key(args.seed)
+  variables = model.init(key, jnp.zeros((1, 8, 8, 1)), train=False)
+  params, batch_stats = variables["params"], variables["batch_stats"]
+  schedule = optax.cosine_decay_schedule(args.lr, total_steps)
+  tx = jmp_train.mixed_precision(
+    optax.adamw(schedule, weight_decay=args.weight_decay),
+    loss_scale=loss_scale,
+    master_weights=preset.master_weights,
+  )
+  opt_state = tx.init(params)
+  initial_scale = float(jmp_train.current_loss_scale(opt_state))
+
+  @jax.jit
+  def train_step(params, batch_stats, opt_state, x, y, key):
+    def loss_fn(p):
+      logits, new = model.apply(
+        {"params": p, "batch_stats": batch_stats},
+        x,
+        train=True,
+        mutable=["batch_stats"],
+        rngs={"dropout": key},
+      )
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      return loss * jmp_train.current_loss_scale(opt_state), (loss, new)
+
+    grads, (loss, new) = jax.grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = jmp_train.train_metrics(opt_state)
+    # A skipped step changes nothing: keep the old BatchNorm statistics too.
+    batch_stats = jmp_train.select_tree(
+      metrics["last_step_finite"], new["batch_stats"], batch_stats
+    )
+    return params, batch_stats, opt_state, {"loss": loss, **metrics}
+
+  @jax.jit
+  def accuracy(params, batch_stats, x, y):
+    logits = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, train=False
+    )
+    return jnp.mean(jnp.argmax(logits, -1) == y)
+
+  # Loop.
+  rng = np.random.default_rng(args.seed)
+  history, evals = [], []
+  start = time.perf_counter()
+  bar = tqdm(range(total_steps), desc=f"digits {args.preset}", unit="step")
+  for step in bar:
+    if step % steps_per_epoch == 0:
+      order = rng.permutation(len(x_train))
+    idx = order[(step % steps_per_epoch) * args.batch_size :][: args.batch_size]
+    key, sub = jax.random.split(key)
+    params, batch_stats, opt_state, m = train_step(
+      params, batch_stats, opt_state, x_train[idx], y_train[idx], sub
+    )
+    history.append({k: v.item() for k, v in jax.device_get(m).items()})
+    if (step + 1) % steps_per_epoch == 0 or step + 1 == total_steps:
+      acc = float(accuracy(params, batch_stats, x_test, y_test))
+      evals.append({"step": step + 1, "test_accuracy": acc})
+      bar.set_postfix(
+        loss=f"{history[-1]['loss']:.3f}",
+        scale=f"{history[-1]['loss_scale']:.0f}",
+        acc=f"{acc:.3f}",
+      )
+  seconds = time.perf_counter() - start
+
+  # Outputs: metrics JSON and curves.
+  final = jmp_train.train_metrics(opt_state)
+  summary = {
+    "preset": args.preset,
+    "policy": str(preset.policy),
+    "config": vars(args),
+    "steps": total_steps,
+    "seconds": round(seconds, 2),
+    "test_accuracy": evals[-1]["test_accuracy"],
+    "skipped_steps": int(final["skipped_steps"]),
+    "final_loss_scale": float(final["loss_scale"]),
+    "param_dtypes": sorted({str(p.dtype) for p in jax.tree.leaves(params)}),
+    "evals": evals,
+    "history": history,
+  }
+  (out_dir / "metrics.json").write_text(json.dumps(summary, indent=1))
+
+  steps = np.arange(1, len(history) + 1)
+  skipped = [i + 1 for i, h in enumerate(history) if not h["last_step_finite"]]
+  fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+  ax1.plot(steps, [h["loss"] for h in history], lw=0.8, label="train loss")
+  ax1.set_yscale("log")
+  ax1.set_ylabel("cross-entropy")
+  ax1.set_title(
+    f"digits, {args.preset}: test accuracy "
+    f"{summary['test_accuracy']:.3f}\n{preset.policy}",
+    fontsize=10,
+  )
+  ax1.legend()
+  ax2.plot(
+    steps, [h["loss_scale"] for h in history], color="C1", label="loss scale"
+  )
+  if skipped:
+    # The scale the overflowing step used: the one after the step before it.
+    used = [initial_scale] + [h["loss_scale"] for h in history]
+    scale_at = [used[i - 1] for i in skipped]
+    ax2.scatter(
+      skipped,
+      scale_at,
+      color="C3",
+      marker="x",
+      zorder=3,
+      label=f"skipped steps ({len(skipped)})",
+    )
+  ax2.set_yscale("log", base=2)
+  ax2.set_xlabel("step")
+  ax2.set_ylabel("loss scale")
+  ax2.legend()
+  fig.tight_layout()
+  fig.savefig(out_dir / "curves.png", dpi=120)
+  plt.close(fig)
+
+  print(
+    f"test accuracy {summary['test_accuracy']:.4f} after {total_steps} steps "
+    f"in {seconds:.1f}s; skipped {summary['skipped_steps']} steps; final "
+    f"loss scale {summary['final_loss_scale']:g}; params "
+    f"{', '.join(summary['param_dtypes'])}"
+  )
+  print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'curves.png'}")
+  return summary
+
+
+if __name__ == "__main__":
+  main()
