@@ -11,7 +11,10 @@ side by side in one process, in rotated order, median of --steps rounds:
             select_tree on params and optimizer state (jmp's README recipe)
 
 With --update-only the forward/backward pass is left out (fixed gradients),
-which isolates the transformation's own cost.
+which isolates the transformation's own cost. --study adds plain-adam variants
+that locate the cost of skipping: the update under a cond on a predicate read
+from one tiny gradient (tiny-cond), and a select of the new or old state by
+all_finite (select-skip, jmp's way, without loss scaling).
 
   python benchmarks/overhead.py                 # full train step
   python benchmarks/overhead.py --update-only   # optimizer update alone
@@ -31,15 +34,18 @@ import optax
 import jmp_train
 
 
-def parse_args():
+def parse_args(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--dims", default="1024,2048,2048,2048,10")
   p.add_argument("--batch", type=int, default=256)
   p.add_argument("--steps", type=int, default=30, help="timed rounds")
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--update-only", action="store_true")
+  p.add_argument(
+    "--study", action="store_true", help="add tiny-cond, select-skip"
+  )
   p.add_argument("--json", default=None, help="also write results here")
-  return p.parse_args()
+  return p.parse_args(argv)
 
 
 def init_mlp(dims, key):
@@ -62,7 +68,7 @@ def loss_fn(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_steps(update_only):
+def make_steps(update_only, study=False):
   adam = optax.adam(1e-3)
   ours_tx = jmp_train.mixed_precision(
     optax.adam(1e-3), loss_scale=jmp_train.dynamic_loss_scale()
@@ -86,6 +92,25 @@ def make_steps(update_only):
       lambda: (jax.tree.map(jnp.zeros_like, grads), state),
     )
     return optax.apply_updates(params, updates), state
+
+  def tiny_cond(params, state, x, y):
+    grads = grads_of(params, x, y, 1.0)
+    updates, state = jax.lax.cond(
+      jmp_train.all_finite(grads[-1]["b"]),  # 10 numbers, known early
+      lambda: adam.update(grads, state, params),
+      lambda: (jax.tree.map(jnp.zeros_like, grads), state),
+    )
+    return optax.apply_updates(params, updates), state
+
+  def select_skip(params, state, x, y):
+    grads = grads_of(params, x, y, 1.0)
+    finite = jmp_train.all_finite(grads)
+    updates, new_state = adam.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    return (
+      jmp_train.select_tree(finite, new_params, params),
+      jmp_train.select_tree(finite, new_state, state),
+    )
 
   def ours(params, state, x, y):
     grads = grads_of(params, x, y, jmp_train.current_loss_scale(state))
@@ -115,11 +140,14 @@ def make_steps(update_only):
     "ours": ours,
     "jmp-style": jmp_style,
   }
+  if study:
+    inits.update({"tiny-cond": adam.init, "select-skip": adam.init})
+    fns.update({"tiny-cond": tiny_cond, "select-skip": select_skip})
   return {k: (inits[k], jax.jit(fns[k], donate_argnums=(0, 1))) for k in fns}
 
 
-def main():
-  args = parse_args()
+def main(argv=None):
+  args = parse_args(argv)
   dims = [int(d) for d in args.dims.split(",")]
   key = jax.random.key(0)
   n_params = sum(p.size for p in jax.tree.leaves(init_mlp(dims, key)))
@@ -127,7 +155,7 @@ def main():
   x = jnp.asarray(rng.standard_normal((args.batch, dims[0])), jnp.float32)
   y = jnp.asarray(rng.integers(0, dims[-1], args.batch))
 
-  steps = make_steps(args.update_only)
+  steps = make_steps(args.update_only, args.study)
   state = {}
   for name, (init, step) in steps.items():
     params = init_mlp(dims, key)
@@ -174,6 +202,7 @@ def main():
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)
+  return result
 
 
 if __name__ == "__main__":

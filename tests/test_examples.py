@@ -1,0 +1,66 @@
+"""The main job and the benchmark run end to end on tiny configs."""
+
+import json
+import pathlib
+import runpy
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load(relpath):
+  return runpy.run_path(str(ROOT / relpath), run_name="not_main")
+
+
+@pytest.mark.parametrize("preset", ["fp16-mixed", "bf16-true"])
+def test_digits_example_trains_and_writes_outputs(tmp_path, preset):
+  main = load("examples/digits.py")["main"]
+  summary = main(
+    [
+      "--preset",
+      preset,
+      "--max-steps",
+      "40",
+      "--out",
+      str(tmp_path),
+      "--growth-interval",
+      "10",
+    ]
+  )
+  out = tmp_path / f"digits-{preset}"
+  saved = json.loads((out / "metrics.json").read_text())
+  assert saved["steps"] == 40 and len(saved["history"]) == 40
+  assert saved["test_accuracy"] == summary["test_accuracy"] > 0.8
+  losses = [h["loss"] for h in saved["history"]]
+  assert sum(losses[-5:]) < 0.3 * sum(losses[:5])
+  assert (out / "curves.png").stat().st_size > 10_000
+  if preset == "fp16-mixed":  # the scaler grew every 10 finite steps
+    scales = [h["loss_scale"] for h in saved["history"]]
+    assert max(scales) > scales[0] and saved["param_dtypes"] == ["float32"]
+  else:
+    assert saved["param_dtypes"] == ["bfloat16", "float32"]
+
+
+def test_overhead_benchmark_runs(capsys):
+  main = load("benchmarks/overhead.py")["main"]
+  result = main(
+    ["--dims", "16,32,4", "--batch", "8", "--steps", "3", "--warmup", "1"]
+  )
+  assert set(result["ratio_vs_plain"]) == {
+    "plain",
+    "skip-only",
+    "ours",
+    "jmp-style",
+  }
+  assert result["skipped_steps_ours"] == 0
+  assert "| ours |" in capsys.readouterr().out
+
+
+def test_readme_quick_start_runs():
+  readme = (ROOT / "README.md").read_text()
+  start = readme.index("<!-- quick-start -->")
+  code = readme[start:].split("```python\n", 1)[1].split("```", 1)[0]
+  namespace = {}
+  exec(compile(code, "README.md quick start", "exec"), namespace)  # noqa: S102
+  assert namespace["losses"][-1] < namespace["losses"][0]
