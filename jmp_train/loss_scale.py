@@ -74,11 +74,13 @@ def _positive_number(value: Any, name: str, allow_none: bool = False):
 
 
 def _check_scale_leaf(value: Any, name: str):
-  """Normalises a scale leaf; leaves that are not arrays pass unchanged.
+  """Normalises a scale leaf to float32; objects without a dtype pass as is.
 
   Pytree unflattening calls the constructor with tracers, abstract values and
-  arbitrary objects (e.g. shardings), so only Python numbers and NumPy values
-  are converted, and only values with a dtype are type-checked.
+  arbitrary objects (e.g. shardings). So: Python and NumPy numbers become
+  float32 NumPy scalars (checked > 0 and finite, with no device sync); arrays
+  of another float dtype are cast to float32; anything with a non-float dtype
+  is rejected; anything else is left alone.
   """
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a float, got {value!r}.")
@@ -90,13 +92,27 @@ def _check_scale_leaf(value: Any, name: str):
   if hasattr(value, "dtype"):
     if not jnp.issubdtype(value.dtype, jnp.floating):
       raise TypeError(
-        f"{name} must be a floating array (it is scaled and divided by), got "
-        f"dtype {value.dtype}; write e.g. jnp.float32(2**15)."
+        f"{name} must be a floating array (gradients are multiplied by its "
+        f"reciprocal), got dtype {value.dtype}; write e.g. jnp.float32(2**15)."
       )
     if value.dtype != np.float32 and hasattr(value, "astype"):
       # float16 cannot hold 2**16; float32 is the scale's dtype everywhere.
       return value.astype(np.float32)
   return value
+
+
+class _ScalesByValue:
+  """`scale`/`unscale` by `self.loss_scale`, in at least float32."""
+
+  loss_scale: Any
+
+  def scale(self, tree: T) -> T:
+    scale = jnp.asarray(self.loss_scale, jnp.float32)
+    return _scale_leaves(tree, lambda x: x * scale.astype(x.dtype))
+
+  def unscale(self, tree: T) -> T:
+    inv = _reciprocal(self.loss_scale)
+    return _scale_leaves(tree, lambda x: x * inv.astype(x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +135,7 @@ class NoOpLossScale:
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale:
+class StaticLossScale(_ScalesByValue):
   """Scales and unscales by a fixed positive constant.
 
   The constant is a static field (a Python float), so this loss scale has no
@@ -142,21 +158,13 @@ class StaticLossScale:
       self, "loss_scale", _positive_number(self.loss_scale, "loss_scale")
     )
 
-  def scale(self, tree: T) -> T:
-    scale = jnp.asarray(self.loss_scale, jnp.float32)
-    return _scale_leaves(tree, lambda x: x * scale.astype(x.dtype))
-
-  def unscale(self, tree: T) -> T:
-    inv = _reciprocal(self.loss_scale)
-    return _scale_leaves(tree, lambda x: x * inv.astype(x.dtype))
-
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> StaticLossScale:
     del grads_finite
     return self
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_ScalesByValue):
   """Dynamic loss scale with growth, backoff, hysteresis and min/max.
 
   It looks for the largest scale that keeps gradients finite. With the default
@@ -275,14 +283,6 @@ class DynamicLossScale:
         raise ValueError(
           f"loss_scale ({value}) must be <= max_loss_scale ({max_scale})."
         )
-
-  def scale(self, tree: T) -> T:
-    scale = jnp.asarray(self.loss_scale, jnp.float32)
-    return _scale_leaves(tree, lambda x: x * scale.astype(x.dtype))
-
-  def unscale(self, tree: T) -> T:
-    inv = _reciprocal(self.loss_scale)
-    return _scale_leaves(tree, lambda x: x * inv.astype(x.dtype))
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> DynamicLossScale:
     """Returns the next state, given whether this step's grads were finite."""
