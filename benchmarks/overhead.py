@@ -84,23 +84,25 @@ def make_steps(update_only, study=False):
     updates, state = adam.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  def skip_only(params, state, x, y):
-    grads = grads_of(params, x, y, 1.0)
-    updates, state = jax.lax.cond(
-      jmp_train.all_finite(grads),
-      lambda: adam.update(grads, state, params),
-      lambda: (jax.tree.map(jnp.zeros_like, grads), state),
-    )
-    return optax.apply_updates(params, updates), state
+  def adam_under_cond(predicate):
+    """Plain adam, applied only where `predicate(grads)` holds."""
 
-  def tiny_cond(params, state, x, y):
-    grads = grads_of(params, x, y, 1.0)
-    updates, state = jax.lax.cond(
-      jmp_train.all_finite(grads[-1]["b"]),  # 10 numbers, known early
-      lambda: adam.update(grads, state, params),
-      lambda: (jax.tree.map(jnp.zeros_like, grads), state),
-    )
-    return optax.apply_updates(params, updates), state
+    def step(params, state, x, y):
+      grads = grads_of(params, x, y, 1.0)
+      updates, state = jax.lax.cond(
+        predicate(grads),
+        lambda: adam.update(grads, state, params),
+        lambda: (jax.tree.map(jnp.zeros_like, grads), state),
+      )
+      return optax.apply_updates(params, updates), state
+
+    return step
+
+  skip_only = adam_under_cond(jmp_train.all_finite)
+  # 10 numbers, known early in the backward pass.
+  tiny_cond = adam_under_cond(
+    lambda grads: jmp_train.all_finite(grads[-1]["b"])
+  )
 
   def select_skip(params, state, x, y):
     grads = grads_of(params, x, y, 1.0)
@@ -128,22 +130,22 @@ def make_steps(update_only, study=False):
     opt_state = jmp_train.select_tree(finite, new_opt_state, opt_state)
     return params, (opt_state, loss_scale)
 
-  inits = {
-    "plain": adam.init,
-    "skip-only": adam.init,
-    "ours": ours_tx.init,
-    "jmp-style": lambda p: (adam.init(p), jmp_train.dynamic_loss_scale()),
-  }
-  fns = {
-    "plain": plain,
-    "skip-only": skip_only,
-    "ours": ours,
-    "jmp-style": jmp_style,
+  steps = {
+    "plain": (adam.init, plain),
+    "skip-only": (adam.init, skip_only),
+    "ours": (ours_tx.init, ours),
+    "jmp-style": (
+      lambda p: (adam.init(p), jmp_train.dynamic_loss_scale()),
+      jmp_style,
+    ),
   }
   if study:
-    inits.update({"tiny-cond": adam.init, "select-skip": adam.init})
-    fns.update({"tiny-cond": tiny_cond, "select-skip": select_skip})
-  return {k: (inits[k], jax.jit(fns[k], donate_argnums=(0, 1))) for k in fns}
+    steps["tiny-cond"] = (adam.init, tiny_cond)
+    steps["select-skip"] = (adam.init, select_skip)
+  return {
+    k: (init, jax.jit(fn, donate_argnums=(0, 1)))
+    for k, (init, fn) in steps.items()
+  }
 
 
 def main(argv=None):
