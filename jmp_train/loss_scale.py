@@ -218,6 +218,23 @@ class DynamicLossScale(_ScalesByValue):
   hysteresis_tracker: Any = None
   consecutive_hysteresis: bool = False
 
+  def __hash__(self):
+    # The leaves may be arrays (unhashable); the settings are enough, and
+    # equal instances have equal settings. jit hashes trees of shardings
+    # shaped like this state, so the class must be hashable.
+    return hash(
+      (
+        type(self),
+        self.period,
+        self.factor,
+        self.min_loss_scale,
+        self.backoff_factor,
+        self.max_loss_scale,
+        self.hysteresis,
+        self.consecutive_hysteresis,
+      )
+    )
+
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
     set_("loss_scale", _check_scale_leaf(self.loss_scale, "loss_scale"))
@@ -266,7 +283,9 @@ class DynamicLossScale(_ScalesByValue):
       )
     set_("hysteresis", int(self.hysteresis))
     set_("consecutive_hysteresis", bool(self.consecutive_hysteresis))
-    if self.hysteresis_tracker is None:
+    # jax rebuilds this class with None (or sharding) leaves when it maps
+    # over a tree of states (jit's out_layouts): keep such a None a None.
+    if self.hysteresis_tracker is None and self.loss_scale is not None:
       set_("hysteresis_tracker", np.asarray(self.hysteresis, np.int32))
     elif isinstance(self.hysteresis_tracker, numbers.Integral):
       set_("hysteresis_tracker", np.asarray(self.hysteresis_tracker, np.int32))

@@ -1,0 +1,131 @@
+"""Gradient accumulation in float32.
+
+`accumulate_gradients` splits a batch into `accum_steps` micro-batches, takes
+the gradient of the scaled loss on each and sums them in a float32 buffer, as
+torch.amp does with `GradScaler` and accumulation: the gradients stay scaled
+until the one optimizer update, so the finite check and the loss-scale
+adjustment happen once per accumulated step, and one non-finite micro-batch
+makes the sum non-finite and the whole step skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+
+def _check_accum_steps(accum_steps: Any) -> int:
+  if (
+    isinstance(accum_steps, bool)
+    or not isinstance(accum_steps, int)
+    or accum_steps < 1
+  ):
+    raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}.")
+  return accum_steps
+
+
+def _micro_batches(batch: Any, accum_steps: int) -> Any:
+  """Reshapes every batch leaf (b, ...) to (accum_steps, b // accum_steps, ...)."""
+
+  def split(x):
+    x = jnp.asarray(x)
+    if x.ndim == 0 or x.shape[0] % accum_steps:
+      raise ValueError(
+        f"Every batch leaf needs a leading dimension divisible by "
+        f"accum_steps={accum_steps}; got shape {x.shape}."
+      )
+    return x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])
+
+  return jax.tree.map(split, batch)
+
+
+def accumulate_gradients(
+  loss_fn: Callable[[optax.Params, Any], jax.Array],
+  params: optax.Params,
+  batch: Any,
+  accum_steps: int = 1,
+  *,
+  loss_scale: jax.typing.ArrayLike = 1.0,
+) -> tuple[jax.Array, optax.Params]:
+  """Mean loss and mean gradients of `loss_scale * loss_fn` over micro-batches.
+
+  Micro-batch `i` is rows `[i * m, (i + 1) * m)` of every batch leaf, with
+  `m = batch_size // accum_steps`. Each micro-batch's gradient is cast to
+  float32 (at least) and added to a float32 buffer; the result is the buffer
+  divided by `accum_steps`, which equals the gradient of the mean loss over
+  the whole batch within float32 rounding. With `accum_steps=1` there is no
+  buffer and the gradients keep the params' dtypes.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar loss`, the *unscaled* loss.
+    params: the params to differentiate; non-float leaves get zero gradients.
+    batch: a pytree whose leaves share a leading batch dimension.
+    accum_steps: the number of micro-batches.
+    loss_scale: the loss scale to multiply each micro-batch loss by (for
+      `mixed_precision`, `jmp_train.current_loss_scale(opt_state)`).
+
+  Returns:
+    `(loss, grads)`: the mean unscaled loss (float32) and the mean gradients
+    of the scaled loss (float32 when accumulating).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> params = {"w": jnp.ones(2)}
+    >>> batch = jnp.arange(8.0).reshape(4, 2)
+    >>> loss_fn = lambda p, x: jnp.mean(x @ p["w"])
+    >>> loss, grads = accumulate_gradients(loss_fn, params, batch, 2)
+    >>> float(loss), grads["w"].tolist()
+    (7.0, [3.0, 4.0])
+  """
+  accum_steps = _check_accum_steps(accum_steps)
+  loss_scale = jnp.asarray(loss_scale, jnp.float32)
+
+  def scaled_loss(p, b):
+    loss = jnp.asarray(loss_fn(p, b)).astype(jnp.float32)
+    return loss * loss_scale, loss
+
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True, allow_int=True)
+
+  def loss_and_grads(b):
+    (_, loss), grads = grad_fn(params, b)
+    # Non-float params get float0 gradients from allow_int; give them zeros.
+    grads = jax.tree.map(
+      lambda g, p: g if _is_float(p) else jnp.zeros_like(p), grads, params
+    )
+    return loss, grads
+
+  if accum_steps == 1:
+    return loss_and_grads(batch)
+
+  def to_buffer(g):
+    return (
+      g.astype(jnp.promote_types(g.dtype, jnp.float32)) if _is_float(g) else g
+    )
+
+  micro = _micro_batches(batch, accum_steps)
+  # The first micro-batch starts the buffer (rather than zeros), so the carry
+  # has the gradients' own sharding and replication type inside shard_map.
+  first_loss, first_grads = loss_and_grads(jax.tree.map(lambda x: x[0], micro))
+  carry0 = (first_loss, jax.tree.map(to_buffer, first_grads))
+
+  def body(carry, b):
+    loss_sum, buffer = carry
+    loss, grads = loss_and_grads(b)
+    buffer = jax.tree.map(lambda acc, g: acc + to_buffer(g), buffer, grads)
+    return (loss_sum + loss, buffer), None
+
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  (loss_sum, buffer), _ = jax.lax.scan(body, carry0, rest)
+  inv = 1.0 / accum_steps
+  grads = jax.tree.map(
+    lambda g: g * jnp.asarray(inv, g.dtype) if _is_float(g) else g, buffer
+  )
+  return loss_sum * inv, grads
