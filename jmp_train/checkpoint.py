@@ -144,6 +144,12 @@ class Checkpointer:
       options=ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True
       ),
+      # Named handlers, so a fresh process can read metadata before restoring.
+      item_handlers={
+        "params": ocp.StandardCheckpointHandler(),
+        "opt_state": ocp.StandardCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+      },
     )
 
   def latest_step(self) -> int | None:

@@ -1,0 +1,95 @@
+"""FP32 gradient accumulation, alone and inside the ZeRO-1 step."""
+
+import _models
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import jmp_train as jmp
+from jmp_train import accumulation, sharding
+
+
+def test_accumulated_grads_equal_big_batch_grads():
+  params = _models.init_params(jnp.float32)
+  batch = _models.batches(1, batch=16)[0]
+  ref_loss, ref = accumulation.accumulate_gradients(
+    _models.loss_fn, params, batch
+  )
+  for k in (2, 4, 8):
+    loss, grads = accumulation.accumulate_gradients(
+      _models.loss_fn, params, batch, k, loss_scale=8.0
+    )
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+      # Gradients of the scaled loss: 8 x, exactly a power of two.
+      np.testing.assert_allclose(g / 8.0, r, rtol=2e-5, atol=1e-7)
+
+
+def test_buffer_is_float32_for_bf16_params():
+  params = _models.init_params(jnp.bfloat16)
+  batch = _models.batches(1, batch=8)[0]
+  _, grads = accumulation.accumulate_gradients(
+    _models.loss_fn, params, batch, 4
+  )
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+  # Without accumulation the gradients keep the params' dtype.
+  _, grads1 = accumulation.accumulate_gradients(_models.loss_fn, params, batch)
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads1))
+
+
+def test_float32_buffer_beats_a_bf16_buffer():
+  # 256 micro-batch gradients of bf16(1.1) each: a bf16 running sum loses
+  # the low bits once it grows (its mean comes out 1.03); float32 keeps them.
+  def loss_fn(p, x):
+    return jnp.mean(x) * p["w"].astype(jnp.float32)
+
+  params = {"w": jnp.ones((), jnp.bfloat16)}
+  x = jnp.bfloat16(1.1)
+  batch = jnp.full((256,), x, jnp.float32)
+  _, grads = accumulation.accumulate_gradients(loss_fn, params, batch, 256)
+  np.testing.assert_allclose(np.float64(grads["w"]), np.float64(x), rtol=1e-7)
+  bf16_sum = jnp.bfloat16(0)
+  for _ in range(256):
+    bf16_sum = bf16_sum + x
+  assert abs(float(bf16_sum) / 256 - float(x)) > 0.05  # what we avoid
+
+
+def test_rejects_bad_accum_steps_and_batches():
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(
+    ValueError, match="accum_steps must be an int >= 1, got 0"
+  ):
+    accumulation.accumulate_gradients(lambda p, b: 0.0, params, jnp.ones(4), 0)
+  with pytest.raises(ValueError, match="divisible by accum_steps=3"):
+    accumulation.accumulate_gradients(
+      lambda p, b: jnp.sum(b), params, jnp.ones(4), 3
+    )
+
+
+def test_zero1_step_with_accumulation_equals_one_big_batch():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  tx = jmp.mixed_precision(
+    optax.adam(3e-3), loss_scale=jmp.dynamic_loss_scale(2.0**10)
+  )
+  params0 = _models.init_params(jnp.float32)
+  # Poison rows 0..1 of step 2: device 0's first micro-batch only.
+  data = _models.batches(5, batch=32, poison_at=(2,), poison_rows=slice(0, 2))
+  ref_params, ref_state, ref_losses = _models.reference_run(tx, params0, data)
+  step = sharding.make_train_step(_models.loss_fn, tx, mesh=mesh, accum_steps=2)
+  params, state = step.init(params0)
+  losses = []
+  for batch in data:
+    params, state, metrics = step(params, state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  # One update, one finite check and one loss-scale adjustment per step.
+  assert int(metrics["steps"]) == 5
+  assert int(metrics["skipped_steps"]) == 1
+  assert float(metrics["loss_scale"]) == 2.0**9
+  for a, b in zip(
+    jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
