@@ -95,27 +95,7 @@ def compiled_memory(step: Any, params: Any, batch: Any) -> dict[str, int]:
   (activations, gradients, workspace) and `alias` bytes from
   `memory_analysis()`.
   """
-  plan = step.plan(params)
-  batch_sds = jax.tree.map(
-    lambda b: (
-      jax.ShapeDtypeStruct(
-        np.shape(b), jnp.asarray(b).dtype, sharding=step.batch_sharding()
-      )
-      if not isinstance(b, jax.ShapeDtypeStruct)
-      else b
-    ),
-    batch,
-  )
-  params_sds = jax.tree.map(
-    lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-    params,
-    plan.param_shardings,
-  )
-  compiled = (
-    step.jitted(params)
-    .lower(params_sds, plan.opt_state_padded, batch_sds)
-    .compile()
-  )
+  compiled = step.lower(params, batch).compile()
   analysis = compiled.memory_analysis()
   return {
     "argument": int(analysis.argument_size_in_bytes),

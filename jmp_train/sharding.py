@@ -502,6 +502,27 @@ class TrainStep:
       self._jitted[id(plan)] = self._build(plan)
     return self._jitted[id(plan)]
 
+  def lower(self, params: optax.Params, batch: Any) -> jax.stages.Lowered:
+    """Lowers the step for abstract inputs: nothing is allocated.
+
+    `params` and `batch` may be arrays or `jax.ShapeDtypeStruct`s; the step's
+    own shardings are used. `.compile().memory_analysis()` and
+    `.compile().as_text()` then give per-device bytes and the collectives.
+    """
+    plan = self.plan(params)
+    placed = jax.tree.map(
+      lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+      params,
+      plan.param_shardings,
+    )
+    batch = jax.tree.map(
+      lambda b: jax.ShapeDtypeStruct(
+        np.shape(b), b.dtype, sharding=self.batch_sharding()
+      ),
+      batch,
+    )
+    return self.jitted(params).lower(placed, plan.opt_state_padded, batch)
+
   def __call__(self, params, opt_state, batch):
     """One step: returns `(params, opt_state, metrics)`; donates its inputs."""
     self._check_batch(batch)

@@ -15,13 +15,10 @@ from jmp_train import accumulation, sharding
 def test_accumulated_grads_equal_big_batch_grads():
   params = _models.init_params(jnp.float32)
   batch = _models.batches(1, batch=16)[0]
-  ref_loss, ref = accumulation.accumulate_gradients(
-    _models.loss_fn, params, batch
-  )
+  accumulate = jax.jit(accumulation.accumulate_gradients, static_argnums=(0, 3))
+  ref_loss, ref = accumulate(_models.loss_fn, params, batch, 1)
   for k in (2, 4, 8):
-    loss, grads = accumulation.accumulate_gradients(
-      _models.loss_fn, params, batch, k, loss_scale=8.0
-    )
+    loss, grads = accumulate(_models.loss_fn, params, batch, k, loss_scale=8.0)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
       # Gradients of the scaled loss: 8 x, exactly a power of two.
@@ -31,13 +28,17 @@ def test_accumulated_grads_equal_big_batch_grads():
 def test_buffer_is_float32_for_bf16_params():
   params = _models.init_params(jnp.bfloat16)
   batch = _models.batches(1, batch=8)[0]
-  _, grads = accumulation.accumulate_gradients(
-    _models.loss_fn, params, batch, 4
-  )
-  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+  def grads(k):
+    return jax.eval_shape(
+      lambda p, b: accumulation.accumulate_gradients(_models.loss_fn, p, b, k),
+      params,
+      batch,
+    )[1]
+
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads(4)))
   # Without accumulation the gradients keep the params' dtype.
-  _, grads1 = accumulation.accumulate_gradients(_models.loss_fn, params, batch)
-  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads1))
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads(1)))
 
 
 def test_float32_buffer_beats_a_bf16_buffer():

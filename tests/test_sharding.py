@@ -232,18 +232,7 @@ def test_2d_mesh_data_and_model():
 
 
 def _collectives(step, params, batch):
-  plan = step.plan(params)
-  placed = jax.tree.map(
-    lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-    params,
-    plan.param_shardings,
-  )
-  text = (
-    step.jitted(params)
-    .lower(placed, plan.opt_state_padded, batch)
-    .compile()
-    .as_text()
-  )
+  text = step.lower(params, batch).compile().as_text()
   return memory.summarize_collectives(memory.collective_stats(text, 8))
 
 
@@ -278,17 +267,7 @@ def test_lowered_reduce_scatter_keeps_bf16():
   # program asks for is in the lowered module.
   params = _models.init_params(jnp.bfloat16)
   step = sharding.make_train_step(_models.loss_fn, _tx(), mesh=_mesh())
-  plan = step.plan(params)
-  placed = jax.tree.map(
-    lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-    params,
-    plan.param_shardings,
-  )
-  text = (
-    step.jitted(params)
-    .lower(placed, plan.opt_state_padded, _models.batches(1)[0])
-    .as_text()
-  )
+  text = step.lower(params, _models.batches(1)[0]).as_text()
   import re
 
   types = re.findall(
