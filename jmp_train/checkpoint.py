@@ -60,9 +60,7 @@ def _strip_masters(state: Any) -> Any:
 
 def _rebuild_masters(template: Any, state: Any, params: Any) -> Any:
   """Fills the master weights that `template` has from upcast params."""
-  mp_templates = [
-    s for s in jax.tree.leaves(template, is_leaf=_is_mp) if _is_mp(s)
-  ]
+  mp_templates = transform._mixed_precision_states(template)
   it = iter(mp_templates)
 
   def fill(s):

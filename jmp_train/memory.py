@@ -34,8 +34,6 @@ from jmp_train import transform
 
 def _device_bytes(x: Any, sharding: Any) -> int:
   """Bytes of the largest shard of `x` under `sharding`."""
-  if isinstance(x, optax.MaskedNode) or not hasattr(x, "shape"):
-    return 0
   shape = sharding.shard_shape(tuple(x.shape)) if sharding else x.shape
   return math.prod(shape) * np.dtype(x.dtype).itemsize
 
@@ -62,13 +60,14 @@ def memory_table(step: Any, params: Any) -> dict[str, int]:
   plan = step.plan(params)
   state = plan.opt_state_padded
   shardings = plan.opt_state_shardings
-  is_mp = lambda x: isinstance(x, transform.MixedPrecisionState)  # noqa: E731
-  master = 0
-  flat_state = jax.tree.leaves(state, is_leaf=is_mp)
-  flat_sh = jax.tree.leaves(shardings, is_leaf=is_mp)
-  for s, sh in zip(flat_state, flat_sh, strict=True):
-    if is_mp(s):
-      master += _tree_bytes(s.master_params, sh.master_params)
+  master = sum(
+    _tree_bytes(s.master_params, sh.master_params)
+    for s, sh in zip(
+      transform._mixed_precision_states(state),
+      transform._mixed_precision_states(shardings),
+      strict=True,
+    )
+  )
   total_state = _tree_bytes(state, shardings)
 
   def grad_leaf(p):

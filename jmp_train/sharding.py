@@ -114,10 +114,6 @@ def leaf_layout(shape: tuple, spec: Any, n: int, data_axis: str) -> LeafLayout:
   return LeafLayout(spec, best, -(-shape[best] // n) * n)
 
 
-def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _explicit(mesh: Mesh) -> Mesh:
   return Mesh(
     mesh.devices,
@@ -390,7 +386,9 @@ class TrainStep:
       # Differentiating replicated params inside shard_map would sum their
       # gradients over the data axis (an all-reduce): mark them per-device.
       varying = jax.tree.map(
-        lambda p: jax.lax.pcast(p, axis, to="varying") if _is_float(p) else p,
+        lambda p: (
+          jax.lax.pcast(p, axis, to="varying") if transform._is_float(p) else p
+        ),
         params,
       )
       loss, grads = accumulation.accumulate_gradients(
@@ -398,7 +396,7 @@ class TrainStep:
       )
 
       def reduce(lay, g, p):
-        if not _is_float(p):
+        if not transform._is_float(p):
           return jnp.zeros_like(p)
         if zero and lay.dim is not None:
           return jax.lax.psum_scatter(
@@ -448,7 +446,7 @@ class TrainStep:
       grads = jax.tree.map(
         lambda g: (
           g.astype(jnp.promote_types(g.dtype, jnp.float32)) * inv_n
-          if _is_float(g)
+          if transform._is_float(g)
           else g
         ),
         grads,
@@ -540,12 +538,7 @@ class TrainStep:
 
 
 def _has_mixed_precision(opt_state) -> bool:
-  return any(
-    isinstance(s, transform.MixedPrecisionState)
-    for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, transform.MixedPrecisionState)
-    )
-  )
+  return bool(transform._mixed_precision_states(opt_state))
 
 
 def _loss_scale_or_one(opt_state) -> jax.Array:

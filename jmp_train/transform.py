@@ -279,14 +279,16 @@ def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
   return jax.tree.map(view, params, masters, is_leaf=_is_masked)
 
 
-def _find_state(opt_state: Any) -> MixedPrecisionState:
-  found = [
-    s
-    for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, MixedPrecisionState)
-    )
-    if isinstance(s, MixedPrecisionState)
+def _mixed_precision_states(opt_state: Any) -> list[MixedPrecisionState]:
+  """Every `mixed_precision` state in `opt_state`, in tree order."""
+  is_state = lambda x: isinstance(x, MixedPrecisionState)  # noqa: E731
+  return [
+    s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)
   ]
+
+
+def _find_state(opt_state: Any) -> MixedPrecisionState:
+  found = _mixed_precision_states(opt_state)
   if len(found) != 1:
     raise ValueError(
       "Expected exactly one mixed_precision state in the optimizer state, "
