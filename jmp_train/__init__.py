@@ -2,9 +2,11 @@
 
 A drop-in superset of jmp's public API (`import jmp_train as jmp`), plus an
 optax transformation with loss scaling, step skipping and FP32 master weights,
-Flax linen wrapping (`jmp_train.linen.wrap`) and named presets.
+Flax linen wrapping (`jmp_train.linen.wrap`), FP8 delayed scaling
+(`jmp_train.fp8`), stochastic rounding and named presets.
 """
 
+from jmp_train import fp8 as fp8
 from jmp_train import linen as linen
 from jmp_train.loss_scale import DynamicLossScale as DynamicLossScale
 from jmp_train.loss_scale import LossScale as LossScale
@@ -22,6 +24,7 @@ from jmp_train.policy import half_dtype as half_dtype
 from jmp_train.presets import PRESETS as PRESETS
 from jmp_train.presets import Preset as Preset
 from jmp_train.presets import get_preset as get_preset
+from jmp_train.rounding import cast_stochastic as cast_stochastic
 from jmp_train.transform import MixedPrecisionState as MixedPrecisionState
 from jmp_train.transform import current_loss_scale as current_loss_scale
 from jmp_train.transform import mixed_precision as mixed_precision

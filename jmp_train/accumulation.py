@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_train import fp8
+
 
 def _is_float(x: Any) -> bool:
   return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
@@ -116,16 +118,27 @@ def accumulate_gradients(
   first_loss, first_grads = loss_and_grads(jax.tree.map(lambda x: x[0], micro))
   carry0 = (first_loss, jax.tree.map(to_buffer, first_grads))
 
+  def combine(acc, g):
+    if fp8.is_fp8_state(acc):
+      return jax.tree.map(jnp.maximum, acc, g)
+    return acc + to_buffer(g)
+
   def body(carry, b):
     loss_sum, buffer = carry
     loss, grads = loss_and_grads(b)
-    buffer = jax.tree.map(lambda acc, g: acc + to_buffer(g), buffer, grads)
+    buffer = jax.tree.map(combine, buffer, grads, is_leaf=fp8.is_fp8_state)
     return (loss_sum + loss, buffer), None
 
   rest = jax.tree.map(lambda x: x[1:], micro)
   (loss_sum, buffer), _ = jax.lax.scan(body, carry0, rest)
   inv = 1.0 / accum_steps
   grads = jax.tree.map(
-    lambda g: g * jnp.asarray(inv, g.dtype) if _is_float(g) else g, buffer
+    lambda g: (
+      g * jnp.asarray(inv, g.dtype)
+      if not fp8.is_fp8_state(g) and _is_float(g)
+      else g
+    ),
+    buffer,
+    is_leaf=fp8.is_fp8_state,
   )
   return loss_sum * inv, grads

@@ -29,8 +29,10 @@ params inside a small `AxisMetadata` box whose `unbox()` (called by
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -39,6 +41,7 @@ import jax
 import numpy as np
 from flax.core import meta
 
+from jmp_train import fp8 as fp8_lib
 from jmp_train import policy as policy_lib
 
 DEFAULT_FLOAT32_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
@@ -54,6 +57,8 @@ class _Frame(NamedTuple):
   policy: policy_lib.Policy  # the running module's effective policy
   overrides: tuple[_Override, ...]  # the innermost wrap's overrides
   creating: bool  # init's first pass: run as written, record param owners
+  fp8: fp8_lib.Fp8Recipe | None = None  # FP8 matmuls here, with this recipe
+  fp8_exclude: tuple = ()  # module classes and name patterns kept out of FP8
 
 
 class _Context(threading.local):
@@ -99,31 +104,68 @@ def _find_override(module: nn.Module, overrides) -> _Override | None:
   return None
 
 
+def _fp8_excluded(module: nn.Module, exclude: tuple) -> bool:
+  path = "/".join(module.path)
+  for item in exclude:
+    if isinstance(item, str):
+      if fnmatch.fnmatchcase(module.name or "", item) or fnmatch.fnmatchcase(
+        path, item
+      ):
+        return True
+    elif isinstance(module, item):
+      return True
+  return False
+
+
+def _with_fp8(module: nn.Module, next_fun, recipe, method_name: str):
+  """`next_fun`, with the module's matmul in FP8 if it is a Dense or Einsum."""
+  if recipe is None or method_name != "__call__":
+    return next_fun
+  dot_cls = functools.partial(fp8_lib.Fp8DotGeneral, recipe=recipe)
+  if (
+    isinstance(module, (nn.Dense, nn.DenseGeneral))
+    and module.dot_general_cls is None
+    and module.dot_general is None
+  ):
+
+    def run(*args, **kwargs):
+      # Set for this call only; the module is a per-apply bound clone.
+      object.__setattr__(module, "dot_general_cls", dot_cls)
+      try:
+        return next_fun(*args, **kwargs)
+      finally:
+        object.__setattr__(module, "dot_general_cls", None)
+
+    return run
+  if isinstance(module, nn.Einsum) and (
+    getattr(module, "dot_general_cls", None) is None
+  ):
+    return lambda *args, **kwargs: fp8_lib._einsum(
+      module, *args, dot_general=dot_cls(), **kwargs
+    )
+  return next_fun
+
+
 def _interceptor(next_fun, args, kwargs, context):
   frames, module = _CTX.frames, context.module
   if not frames or isinstance(module, _Wrapped) or module.scope is None:
     return next_fun(*args, **kwargs)
   outer = frames[-1]
   override = _find_override(module, outer.overrides)
+  policy = override.policy if override else outer.policy
+  recipe = outer.fp8
+  if recipe is not None and _fp8_excluded(module, outer.fp8_exclude):
+    recipe = None
+  call = _with_fp8(module, next_fun, recipe, context.method_name)
   if outer.creating:
-    policy = override.policy if override else outer.policy
     _CTX.owners[module.path] = policy.param_dtype
-    if override is None:
-      return next_fun(*args, **kwargs)
-    frames.append(outer._replace(policy=override.policy))
-    try:
-      return next_fun(*args, **kwargs)
-    finally:
-      frames.pop()
-  if override is None:
-    return next_fun(*args, **kwargs)
-
-  policy = override.policy
-  frames.append(outer._replace(policy=policy))
+  if override is None and recipe is outer.fp8:
+    return call(*args, **kwargs)
+  frames.append(outer._replace(policy=policy, fp8=recipe))
   try:
-    out = next_fun(
-      *policy.cast_to_compute(args), **policy.cast_to_compute(kwargs)
-    )
+    if override is None or outer.creating:
+      return call(*args, **kwargs)
+    out = call(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
   finally:
     frames.pop()
   if override.output_to_enclosing:
@@ -141,6 +183,8 @@ class _Wrapped(nn.Module):
   module: nn.Module
   policy: policy_lib.Policy
   overrides: tuple[_Override, ...]
+  fp8: fp8_lib.Fp8Recipe | None = None
+  fp8_exclude: tuple = ()
 
   def setup(self):
     nn.share_scope(self, self.module)
@@ -186,7 +230,11 @@ class _Wrapped(nn.Module):
 
     def body(mdl, *args, **kwargs):
       creating = initializing and not mapped[0]
-      _CTX.frames.append(_Frame(self.policy, self.overrides, creating))
+      _CTX.frames.append(
+        _Frame(
+          self.policy, self.overrides, creating, self.fp8, self.fp8_exclude
+        )
+      )
       try:
         if creating:
           return mdl.module(*args, **kwargs)
@@ -219,6 +267,9 @@ def wrap(
   module: nn.Module,
   policy: policy_lib.Policy | str,
   overrides: Mapping[type, policy_lib.Policy | str | None] | None = None,
+  *,
+  fp8: fp8_lib.Fp8Recipe | bool | None = None,
+  fp8_exclude: Iterable[str | type] = (),
 ) -> nn.Module:
   """Returns `module` running under `policy`, with per-class overrides.
 
@@ -231,6 +282,13 @@ def wrap(
       and GroupNorm in float32 (params and compute) and return their outputs
       in the enclosing compute dtype; map a class to None to drop its default.
       A user override returns outputs in its policy's output dtype.
+    fp8: an `Fp8Recipe` (True: the default recipe) to run the matmul of every
+      `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` inside the model in FP8
+      (`jmp_train.fp8.Fp8DotGeneral`, state in the "fp8_meta" collection).
+      Layers given their own `dot_general` or `dot_general_cls` keep it.
+    fp8_exclude: modules kept out of FP8, with everything inside them: module
+      classes, or glob patterns matched against a module's name and its
+      "/"-joined path (e.g. `"head"`, `"*/attention/*"`).
 
   Returns:
     A linen module whose variables have the structure of `module`'s. Call it
@@ -267,4 +325,28 @@ def wrap(
       table.pop(cls, None)
     else:
       table[cls] = _Override(cls, policy_lib.get_policy(value), False)
-  return _Wrapped(module=module, policy=policy, overrides=tuple(table.values()))
+  if fp8 is True:
+    fp8 = fp8_lib.Fp8Recipe()
+  if not (fp8 is None or fp8 is False or isinstance(fp8, fp8_lib.Fp8Recipe)):
+    raise TypeError(
+      f"fp8 must be an Fp8Recipe, True, False or None, got {fp8!r}."
+    )
+  if isinstance(fp8_exclude, str):
+    fp8_exclude = (fp8_exclude,)
+  fp8_exclude = tuple(fp8_exclude)
+  for item in fp8_exclude:
+    if not (
+      isinstance(item, str)
+      or (isinstance(item, type) and issubclass(item, nn.Module))
+    ):
+      raise TypeError(
+        "fp8_exclude takes flax.linen Module classes and name patterns "
+        f"(str), got {item!r}."
+      )
+  return _Wrapped(
+    module=module,
+    policy=policy,
+    overrides=tuple(table.values()),
+    fp8=fp8 or None,
+    fp8_exclude=fp8_exclude,
+  )

@@ -1,12 +1,19 @@
 """Named precision recipes: a policy, a loss scale and a master-weights choice.
 
-| preset       | params  | compute | output  | loss scale | FP32 master | apex |
-|--------------|---------|---------|---------|------------|-------------|------|
-| `fp32`       | float32 | float32 | float32 | none       | n/a         | O0   |
-| `bf16-mixed` | float32 | bfloat16| float32 | none       | n/a         | -    |
-| `fp16-mixed` | float32 | float16 | float32 | dynamic    | n/a         | O1   |
-| `bf16-true`  | bfloat16| bfloat16| float32 | none       | yes         | -    |
-| `fp16-true`  | float16 | float16 | float32 | dynamic    | yes         | O2   |
+| preset           | params  | compute | output  | loss scale | FP32 master | FP8 matmuls | apex |
+|------------------|---------|---------|---------|------------|-------------|-------------|------|
+| `fp32`           | float32 | float32 | float32 | none       | n/a         | no          | O0   |
+| `bf16-mixed`     | float32 | bfloat16| float32 | none       | n/a         | no          | -    |
+| `fp16-mixed`     | float32 | float16 | float32 | dynamic    | n/a         | no          | O1   |
+| `bf16-true`      | bfloat16| bfloat16| float32 | none       | yes         | no          | -    |
+| `fp16-true`      | float16 | float16 | float32 | dynamic    | yes         | no          | O2   |
+| `bf16-fp8-mixed` | float32 | bfloat16| float32 | none       | n/a         | hybrid      | -    |
+| `fp16-fp8-mixed` | float32 | float16 | float32 | dynamic    | n/a         | hybrid      | -    |
+
+The fp8 presets are NeMo's `bf16_with_fp8_mixed` / `fp16_with_fp8_mixed`:
+the mixed policy plus Transformer Engine's default delayed-scaling recipe
+(`Fp8Recipe()`: hybrid E4M3/E5M2, margin 0, 1024-step history, "max"). Pass
+`preset.fp8` to `jmp_train.linen.wrap(..., fp8=preset.fp8)`.
 
 Apex O3 (pure float16, no master weights, no scaling) is `fp16-true` with
 `master_weights=False` and a static scale of 1: we do not name it, since it
@@ -19,6 +26,7 @@ import dataclasses
 
 import optax
 
+from jmp_train import fp8 as fp8_lib
 from jmp_train import loss_scale as ls_lib
 from jmp_train import policy as policy_lib
 from jmp_train import transform
@@ -35,6 +43,7 @@ class Preset:
     policy: the `Policy` to wrap the model with.
     loss_scale: the loss scale `mixed_precision` starts from.
     master_weights: whether float params below float32 keep float32 masters.
+    fp8: the FP8 recipe for the model's matmuls, or None.
 
   Example:
     >>> import optax
@@ -48,6 +57,7 @@ class Preset:
   policy: policy_lib.Policy
   loss_scale: ls_lib.LossScale
   master_weights: bool
+  fp8: fp8_lib.Fp8Recipe | None = None
 
   def mixed_precision(
     self, inner: optax.GradientTransformation
@@ -61,6 +71,7 @@ class Preset:
 def _presets() -> dict[str, Preset]:
   get = policy_lib.get_policy
   none, dynamic = ls_lib.NoOpLossScale(), ls_lib.dynamic_loss_scale()
+  recipe = fp8_lib.Fp8Recipe()
   return {
     p.name: p
     for p in (
@@ -69,6 +80,10 @@ def _presets() -> dict[str, Preset]:
       Preset("fp16-mixed", get("p=f32,c=f16,o=f32"), dynamic, False),
       Preset("bf16-true", get("p=bf16,c=bf16,o=f32"), none, True),
       Preset("fp16-true", get("p=f16,c=f16,o=f32"), dynamic, True),
+      Preset("bf16-fp8-mixed", get("p=f32,c=bf16,o=f32"), none, False, recipe),
+      Preset(
+        "fp16-fp8-mixed", get("p=f32,c=f16,o=f32"), dynamic, False, recipe
+      ),
     )
   }
 

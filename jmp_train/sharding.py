@@ -22,6 +22,11 @@ full (padded) shapes and ZeRO shardings, so global reductions inside `tx`
 (`clip_by_global_norm`, the finite check and grad norm of
 `mixed_precision`) see every shard: the compiler adds the scalar all-reduces.
 
+FP8 states (`jmp_train.fp8`) in the params stay replicated and out of the
+optimizer; their amax "gradients" are combined by a max over the data axis
+(`pmax`), and the step advances them with `fp8.update` after the optimizer
+update, not at all on a skipped step.
+
 `zero_stage=0` is plain data parallelism (all-reduce of the gradients,
 replicated optimizer state) with the same API, for comparison.
 
@@ -45,7 +50,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_train import accumulation, transform
+from jmp_train import accumulation, fp8, loss_scale, transform
 
 
 class LeafLayout(NamedTuple):
@@ -156,6 +161,17 @@ def _make_plan(tx, params, mesh, data_axis, zero_stage, param_specs) -> _Plan:
       f"per param): {e}"
     ) from None
   is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+
+  def replicate_fp8(p, lay):
+    if not fp8.is_fp8_state(p):
+      return lay
+    return jax.tree.map(
+      lambda x: x._replace(dim=None, padded=0), lay, is_leaf=is_layout
+    )
+
+  layouts = jax.tree.map(
+    replicate_fp8, params, layouts, is_leaf=fp8.is_fp8_state
+  )
   param_shardings = jax.tree.map(
     lambda lay: NamedSharding(mesh, P(*lay.spec)), layouts, is_leaf=is_layout
   )
@@ -178,7 +194,7 @@ def _make_plan(tx, params, mesh, data_axis, zero_stage, param_specs) -> _Plan:
   # (zeros_like, copies) and which are fresh scalars: works for any optax
   # optimizer without knowing its state's structure.
   with jax.set_mesh(emesh):
-    traced = jax.jit(tx.init).trace(explicit_params)
+    traced = jax.jit(_init_fn(tx)).trace(explicit_params)
   opt_state_padded = jax.tree.map(
     lambda o: jax.ShapeDtypeStruct(
       o.shape,
@@ -190,7 +206,7 @@ def _make_plan(tx, params, mesh, data_axis, zero_stage, param_specs) -> _Plan:
     traced.out_info,
   )
   logical = jax.eval_shape(
-    tx.init,
+    _init_fn(tx),
     jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params),
   )
   return _Plan(
@@ -202,6 +218,20 @@ def _make_plan(tx, params, mesh, data_axis, zero_stage, param_specs) -> _Plan:
     opt_state_shardings=jax.tree.map(lambda o: o.sharding, opt_state_padded),
     opt_state_padded=opt_state_padded,
     opt_state_logical=logical,
+  )
+
+
+def _init_fn(tx):
+  """`tx.init` on the trainable params (FP8 states left out)."""
+  return lambda params: tx.init(transform._trainable(params))
+
+
+def _fp8_leaves(params: Any) -> Any:
+  """A tree of bools with the params' leaves: True inside FP8 states."""
+  return jax.tree.map(
+    lambda x: jax.tree.map(lambda _: fp8.is_fp8_state(x), x),
+    params,
+    is_leaf=fp8.is_fp8_state,
   )
 
 
@@ -323,7 +353,7 @@ class TrainStep:
       )
       # A real copy: params must not alias the state (both are donated).
       params = jax.tree.map(jnp.copy, params)
-      return params, self.tx.init(padded)
+      return params, _init_fn(self.tx)(padded)
 
     return jax.jit(
       init, out_shardings=(plan.param_shardings, plan.opt_state_shardings)
@@ -378,6 +408,7 @@ class TrainStep:
     mesh, axis, n = self.mesh, self.data_axis, self.num_shards
     zero = self.zero_stage == 1
     is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+    fp8_leaves = _fp8_leaves(plan.param_shardings)
 
     def grad_spec(lay):
       return P(*[axis if d == lay.dim else None for d in range(len(lay.spec))])
@@ -395,9 +426,11 @@ class TrainStep:
         self.loss_fn, varying, batch, self.accum_steps, loss_scale=scale
       )
 
-      def reduce(lay, g, p):
+      def reduce(lay, g, p, is_fp8):
         if not transform._is_float(p):
           return jnp.zeros_like(p)
+        if is_fp8:  # amaxes: the max over devices, not the sum
+          return jax.lax.pmax(g, axis)
         if zero and lay.dim is not None:
           return jax.lax.psum_scatter(
             lay.pad(g), axis, scatter_dimension=lay.dim, tiled=True
@@ -405,7 +438,7 @@ class TrainStep:
         return jax.lax.psum(g, axis)
 
       grads = jax.tree.map(
-        reduce, plan.layouts, grads, params, is_leaf=is_layout
+        reduce, plan.layouts, grads, params, fp8_leaves, is_leaf=is_layout
       )
       return jax.lax.pmean(loss, axis), grads
 
@@ -444,12 +477,13 @@ class TrainStep:
       )(params, batch, scale)
       inv_n = 1.0 / n
       grads = jax.tree.map(
-        lambda g: (
+        lambda g, is_fp8: (
           g.astype(jnp.promote_types(g.dtype, jnp.float32)) * inv_n
-          if transform._is_float(g)
+          if transform._is_float(g) and not is_fp8
           else g
         ),
         grads,
+        fp8_leaves,
       )
       work = jax.tree.map(
         lambda lay, p: lay.pad(p) if zero else p,
@@ -461,7 +495,10 @@ class TrainStep:
         work = jax.lax.with_sharding_constraint(
           work, jax.tree.map(lambda s: s.sharding, plan.padded_params)
         )
-      updates, opt_state = self.tx.update(grads, opt_state, work)
+      updates, opt_state = self.tx.update(
+        transform._trainable(grads), opt_state, transform._trainable(work)
+      )
+      updates = transform._pass_fp8_through(updates, work)
       new = optax.apply_updates(work, updates)
       new = jax.tree.map(
         lambda lay, x, p: _slice_to(gather(lay, x), p.shape),
@@ -473,6 +510,10 @@ class TrainStep:
       metrics = {"loss": loss}
       if _has_mixed_precision(opt_state):
         metrics.update(transform.train_metrics(opt_state))
+        finite = metrics["last_step_finite"]
+      else:
+        finite = loss_scale.all_finite(transform._trainable(grads))
+      new = fp8.update(new, grads, finite=finite)
       return new, opt_state, metrics
 
     replicated = NamedSharding(mesh, P())

@@ -13,7 +13,10 @@ gradients of the *scaled* loss, in the params' dtype, and
 5. adjusts the loss scale and counts steps, skipped steps and the grad norm.
 
 Integer and other non-float param leaves are hidden from `inner` (like
-`optax.masked`) and never change.
+`optax.masked`) and never change; so are FP8 states (`jmp_train.fp8`), which
+the train step advances with `fp8.update`: `mixed_precision` passes them
+through bit-identical, keeps no master copy or optimizer state for them and
+leaves them out of the finite check and the grad norm.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_train import fp8 as fp8_lib
 from jmp_train import loss_scale as ls_lib
+from jmp_train import rounding
 
 _MASKED = optax.MaskedNode()
 
@@ -35,7 +40,27 @@ def _is_masked(x: Any) -> bool:
 
 
 def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.floating)
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _trainable(tree: Any) -> Any:
+  """`tree` with each FP8 state replaced by an (empty) `optax.MaskedNode`."""
+  return jax.tree.map(
+    lambda x: _MASKED if fp8_lib.is_fp8_state(x) else x,
+    tree,
+    is_leaf=fp8_lib.is_fp8_state,
+  )
+
+
+def _pass_fp8_through(updates: Any, params: Any) -> Any:
+  """Fills the masked FP8 positions of `updates` with -0.0 (no change)."""
+
+  def fill(u, p):
+    if fp8_lib.is_fp8_state(p):
+      return jax.tree.map(lambda x: jnp.full(x.shape, -0.0, x.dtype), p)
+    return u
+
+  return jax.tree.map(fill, updates, params, is_leaf=_is_masked)
 
 
 def _full_dtype(dtype) -> np.dtype:
@@ -101,6 +126,8 @@ def mixed_precision(
   *,
   loss_scale: ls_lib.LossScale | float | None = None,
   master_weights: bool | None = None,
+  stochastic_rounding: bool = False,
+  seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer for mixed-precision training.
 
@@ -125,6 +152,12 @@ def mixed_precision(
       below float32. None (the default) or True: yes, for exactly those
       params (float32 params are their own master); False: never, and
       low-precision params are updated by rounding `param + update`.
+    stochastic_rounding: with `master_weights=False`, round `param + update`
+      of bfloat16/float16 params stochastically (`cast_stochastic`) instead
+      of to nearest, so updates below half an ulp survive on average. The
+      random bits come from `seed`, the step number and the leaf, so a run
+      (and a resumed run) is reproducible.
+    seed: the seed of the stochastic rounding.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
@@ -150,9 +183,22 @@ def mixed_precision(
       f"master_weights must be True, False or None, got {master_weights!r}."
     )
   keep_masters = master_weights is not False
+  if not isinstance(stochastic_rounding, bool):
+    raise TypeError(
+      f"stochastic_rounding must be True or False, got {stochastic_rounding!r}."
+    )
+  if stochastic_rounding and keep_masters:
+    raise ValueError(
+      "stochastic_rounding=True rounds low-precision params without master "
+      f"weights: pass master_weights=False (got {master_weights!r})."
+    )
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise TypeError(f"seed must be an int, got {seed!r}.")
   inner = optax.with_extra_args_support(inner)
 
   def init(params: optax.Params) -> MixedPrecisionState:
+    params = _trainable(params)
+
     def master(p):
       if keep_masters and _needs_master(p):
         return jnp.asarray(p, jnp.float32)
@@ -175,6 +221,7 @@ def mixed_precision(
         "mixed_precision needs params: call tx.update(grads, state, params)."
       )
     _check_same_structure(grads, params)
+    full_params, grads, params = params, _trainable(grads), _trainable(params)
     scaler = state.loss_scaler
 
     # Unscaled gradients in float32 (at least); non-float leaves are masked.
@@ -201,16 +248,30 @@ def mixed_precision(
       )
 
       # Master leaves emit the float32 delta cast(new_master) - param, which
-      # optax.apply_updates turns into cast(new_master) exactly.
-      def out_update(p, m, u):
+      # optax.apply_updates turns into cast(new_master) exactly; so do
+      # stochastically rounded leaves, with their rounded value.
+      def out_update(p, m, u, key):
+        if _is_masked(p):
+          return _MASKED
         if not _is_float(p):
           return jnp.zeros_like(p)
-        if _is_masked(m):
+        if not _is_masked(m):
+          new = m.astype(p.dtype)
+        elif stochastic_rounding and _needs_master(p):
+          new = rounding.cast_stochastic(
+            p.astype(jnp.float32) + u, p.dtype, key
+          )
+        else:
           return u.astype(_full_dtype(p.dtype))
-        return m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+        return new.astype(jnp.float32) - p.astype(jnp.float32)
 
       updates = jax.tree.map(
-        out_update, params, masters, inner_updates, is_leaf=_is_masked
+        out_update,
+        params,
+        masters,
+        inner_updates,
+        _leaf_keys(params, state.steps),
+        is_leaf=_is_masked,
       )
       return updates, inner_state, masters
 
@@ -226,6 +287,7 @@ def mixed_precision(
       skip,
       (grads_full, state.inner_state, state.master_params, params),
     )
+    updates = _pass_fp8_through(updates, full_params)
     new_state = MixedPrecisionState(
       loss_scaler=scaler.adjust(finite),
       master_params=masters,
@@ -236,6 +298,15 @@ def mixed_precision(
       grad_norm=jnp.sqrt(sq_norm),
     )
     return updates, new_state
+
+  def _leaf_keys(params, steps):
+    """One PRNG key per param leaf, from the seed and the step number."""
+    leaves, treedef = jax.tree.flatten(params)
+    if not stochastic_rounding:
+      return jax.tree.unflatten(treedef, [None] * len(leaves))
+    step_key = jax.random.fold_in(jax.random.key(seed), steps)
+    keys = jax.random.split(step_key, max(len(leaves), 1))
+    return jax.tree.unflatten(treedef, list(keys[: len(leaves)]))
 
   return optax.GradientTransformationExtraArgs(init, update)
 

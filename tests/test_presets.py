@@ -39,6 +39,20 @@ EXPECTED = {
     jmp_train.DynamicLossScale,
     True,
   ),
+  "bf16-fp8-mixed": (
+    "float32",
+    "bfloat16",
+    "float32",
+    jmp_train.NoOpLossScale,
+    False,
+  ),
+  "fp16-fp8-mixed": (
+    "float32",
+    "float16",
+    "float32",
+    jmp_train.DynamicLossScale,
+    False,
+  ),
 }
 
 
@@ -53,6 +67,12 @@ def test_preset_contents(name):
   assert type(preset.loss_scale) is scale_cls
   assert preset.master_weights is master
   assert preset is jmp_train.get_preset(name)
+  if "fp8" in name:  # NeMo's *_with_fp8_mixed: Transformer Engine's defaults
+    assert preset.fp8 == jmp_train.fp8.Fp8Recipe(
+      format="hybrid", margin=0, amax_history_len=1024, amax_compute_algo="max"
+    )
+  else:
+    assert preset.fp8 is None
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

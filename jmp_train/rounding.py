@@ -1,0 +1,92 @@
+"""Stochastic rounding from float32 to bfloat16 or float16.
+
+Round-to-nearest loses every update smaller than half a unit in the last
+place (ulp): a bfloat16 param near 1.0 ignores updates below 2**-9. Stochastic
+rounding rounds `x` up to the next representable value `hi` with probability
+`(x - lo) / (hi - lo)` and down to `lo` otherwise, so the rounded value equals
+`x` on average and small updates survive in expectation (Gupta et al. 2015).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_train import policy as policy_lib
+
+T = TypeVar("T")
+
+_TARGETS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_WIDE = (np.dtype(jnp.float32), np.dtype(jnp.float64))
+
+
+def _round_leaf(x: jax.Array, dtype: np.dtype, key: jax.Array) -> jax.Array:
+  wide = x.dtype
+  nearest = x.astype(dtype)
+  near = nearest.astype(wide)
+  # The representable neighbour on the other side of x.
+  toward = jnp.where(near < x, jnp.inf, -jnp.inf).astype(dtype)
+  other = jnp.nextafter(nearest, toward).astype(wide)
+  lo, hi = jnp.minimum(near, other), jnp.maximum(near, other)
+  # Exact in float32: x - lo is within one ulp of the target dtype, hi - lo a
+  # power of two.
+  p_up = (x - lo) / (hi - lo)
+  up = jax.random.uniform(key, x.shape, wide) < p_up
+  rounded = jnp.where(up, hi, lo)
+  # Exact values, inf/NaN, and values beyond the largest finite target value
+  # (whose upper neighbour is inf) round to nearest, as a plain cast does.
+  plain = (near == x) | ~jnp.isfinite(x) | ~jnp.isfinite(hi) | ~jnp.isfinite(lo)
+  return jnp.where(plain, near, rounded).astype(dtype)
+
+
+def cast_stochastic(tree: T, dtype: Any, key: jax.Array) -> T:
+  """Casts the float32/float64 leaves of `tree` to `dtype`, rounding stochastically.
+
+  Each value rounds to one of its two neighbours in `dtype`, up with
+  probability proportional to its distance from the lower one: unbiased, with
+  variance `(x - lo) * (hi - lo - (x - lo))` per value. Leaves already in
+  bfloat16 or float16 are cast plainly; integer, boolean, float8 and
+  non-array leaves are returned untouched. Inf and NaN stay inf and NaN, and
+  values beyond the largest finite `dtype` value round to nearest.
+
+  Args:
+    tree: a pytree of arrays.
+    dtype: `jnp.bfloat16` or `jnp.float16`.
+    key: a JAX PRNG key; each leaf uses its own subkey.
+
+  Returns:
+    `tree` with its float32/float64 leaves in `dtype`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.full((10000,), 1.0 + 2.0**-10, jnp.float32)  # 1/8 of a bf16 ulp
+    >>> y = cast_stochastic(x, jnp.bfloat16, jax.random.key(0))
+    >>> sorted(set(y.tolist()))
+    [1.0, 1.0078125]
+    >>> round(float(y.astype(jnp.float32).mean()), 3)
+    1.001
+  """
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype not in _TARGETS:
+    raise ValueError(
+      f"cast_stochastic rounds to bfloat16 or float16, got dtype {dtype!r}."
+    )
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, max(len(leaves), 1))
+
+  def cast(x, k):
+    if not policy_lib._is_castable(x):
+      return x
+    if x.dtype in _WIDE:
+      return _round_leaf(jnp.asarray(x), dtype, k)
+    return jnp.asarray(x).astype(dtype)
+
+  return jax.tree.unflatten(
+    treedef, [cast(x, k) for x, k in zip(leaves, keys, strict=False)]
+  )
