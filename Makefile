@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/overhead.py --update-only
 	$(BIN)/python benchmarks/zero1.py
+	$(BIN)/python benchmarks/fp8.py --accuracy
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -3,12 +3,14 @@
   python examples/digits.py                        # fp16-mixed: f16 compute, loss scaling
   python examples/digits.py --preset bf16-true     # bf16 params + FP32 master weights
   python examples/digits.py --preset fp32 --epochs 10
+  python examples/digits.py --model mlp --preset bf16-fp8-mixed   # FP8 matmuls
 
-Writes runs/digits-<preset>/metrics.json and runs/digits-<preset>/curves.png.
+Writes runs/digits-<preset>[-mlp]/metrics.json and curves.png.
 The data ships with scikit-learn: nothing is downloaded.
 """
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -34,6 +36,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--preset", default="fp16-mixed", choices=list(jmp_train.PRESETS)
   )
+  p.add_argument("--model", default="cnn", choices=["cnn", "mlp"])
   p.add_argument("--epochs", type=int, default=30)
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--lr", type=float, default=3e-3)
@@ -56,6 +59,12 @@ def parse_args(argv=None):
   )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="output folder")
+  p.add_argument(
+    "--fp8-history",
+    type=int,
+    default=None,
+    help="amax history length for fp8 presets (default: the preset's)",
+  )
   return p.parse_args(argv)
 
 
@@ -71,12 +80,25 @@ class CNN(nn.Module):
     x = nn.avg_pool(x, (2, 2), strides=(2, 2)).reshape(x.shape[0], -1)
     x = nn.relu(nn.Dense(128)(x))
     x = nn.Dropout(0.2, deterministic=not train)(x)
-    return nn.Dense(10)(x)
+    return nn.Dense(10, name="head")(x)
+
+
+class MLP(nn.Module):
+  """Three Dense layers on the flattened image: every matmul can be FP8."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = x.reshape(x.shape[0], -1)
+    for features in (256, 256):
+      x = nn.relu(nn.Dense(features)(x))
+    x = nn.Dropout(0.1, deterministic=not train)(x)
+    return nn.Dense(10, name="head")(x)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  out_dir = pathlib.Path(args.out) / f"digits-{args.preset}"
+  name = f"digits-{args.preset}" + ("-mlp" if args.model == "mlp" else "")
+  out_dir = pathlib.Path(args.out) / name
   out_dir.mkdir(parents=True, exist_ok=True)
 
   # Data: 1797 8x8 images, 80/20 stratified split.
@@ -101,10 +123,21 @@ def main(argv=None):
     loss_scale = jmp_train.dynamic_loss_scale(
       init_scale=args.init_scale, growth_interval=args.growth_interval
     )
-  model = jmp_train.linen.wrap(CNN(), preset.policy)
+  recipe = preset.fp8
+  if recipe is not None and args.fp8_history is not None:
+    recipe = dataclasses.replace(recipe, amax_history_len=args.fp8_history)
+  # FP8 presets run every matmul but the output head in FP8.
+  model = jmp_train.linen.wrap(
+    {"cnn": CNN, "mlp": MLP}[args.model](),
+    preset.policy,
+    fp8=recipe,
+    fp8_exclude=("head",),
+  )
   key = jax.random.key(args.seed)
   variables = model.init(key, jnp.zeros((1, 8, 8, 1)), train=False)
-  params, batch_stats = variables["params"], variables["batch_stats"]
+  params = variables["params"]
+  batch_stats = variables.get("batch_stats", {})
+  fp8_meta = variables.get("fp8_meta", {})
   schedule = optax.cosine_decay_schedule(args.lr, total_steps)
   tx = jmp_train.mixed_precision(
     optax.adamw(schedule, weight_decay=args.weight_decay),
@@ -115,10 +148,10 @@ def main(argv=None):
   initial_scale = float(jmp_train.current_loss_scale(opt_state))
 
   @jax.jit
-  def train_step(params, batch_stats, opt_state, x, y, key):
-    def loss_fn(p):
+  def train_step(params, batch_stats, fp8_meta, opt_state, x, y, key):
+    def loss_fn(p, meta):
       logits, new = model.apply(
-        {"params": p, "batch_stats": batch_stats},
+        {"params": p, "batch_stats": batch_stats, "fp8_meta": meta},
         x,
         train=True,
         mutable=["batch_stats"],
@@ -127,20 +160,29 @@ def main(argv=None):
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss * jmp_train.current_loss_scale(opt_state), (loss, new)
 
-    grads, (loss, new) = jax.grad(loss_fn, has_aux=True)(params)
+    # The FP8 state's "gradients" are this step's amaxes.
+    (grads, fp8_grads), (loss, new) = jax.grad(
+      loss_fn, argnums=(0, 1), has_aux=True
+    )(params, fp8_meta)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = jmp_train.train_metrics(opt_state)
-    # A skipped step changes nothing: keep the old BatchNorm statistics too.
+    finite = metrics["last_step_finite"]
+    # A skipped step changes nothing: keep the old BatchNorm statistics and
+    # FP8 scales too.
     batch_stats = jmp_train.select_tree(
-      metrics["last_step_finite"], new["batch_stats"], batch_stats
+      finite, new.get("batch_stats", {}), batch_stats
     )
-    return params, batch_stats, opt_state, {"loss": loss, **metrics}
+    fp8_meta = jmp_train.fp8.update(fp8_meta, fp8_grads, finite=finite)
+    metrics = {"loss": loss, **metrics, **jmp_train.fp8.scales(fp8_meta)}
+    return params, batch_stats, fp8_meta, opt_state, metrics
 
   @jax.jit
-  def accuracy(params, batch_stats, x, y):
+  def accuracy(params, batch_stats, fp8_meta, x, y):
     logits = model.apply(
-      {"params": params, "batch_stats": batch_stats}, x, train=False
+      {"params": params, "batch_stats": batch_stats, "fp8_meta": fp8_meta},
+      x,
+      train=False,
     )
     return jnp.mean(jnp.argmax(logits, -1) == y)
 
@@ -154,12 +196,12 @@ def main(argv=None):
       order = rng.permutation(len(x_train))
     idx = order[(step % steps_per_epoch) * args.batch_size :][: args.batch_size]
     key, sub = jax.random.split(key)
-    params, batch_stats, opt_state, m = train_step(
-      params, batch_stats, opt_state, x_train[idx], y_train[idx], sub
+    params, batch_stats, fp8_meta, opt_state, m = train_step(
+      params, batch_stats, fp8_meta, opt_state, x_train[idx], y_train[idx], sub
     )
     history.append({k: v.item() for k, v in jax.device_get(m).items()})
     if (step + 1) % steps_per_epoch == 0 or step + 1 == total_steps:
-      acc = float(accuracy(params, batch_stats, x_test, y_test))
+      acc = float(accuracy(params, batch_stats, fp8_meta, x_test, y_test))
       evals.append({"step": step + 1, "test_accuracy": acc})
       bar.set_postfix(
         loss=f"{history[-1]['loss']:.3f}",
@@ -172,7 +214,9 @@ def main(argv=None):
   final = jmp_train.train_metrics(opt_state)
   summary = {
     "preset": args.preset,
+    "model": args.model,
     "policy": str(preset.policy),
+    "fp8": dataclasses.asdict(recipe) if recipe else None,
     "config": vars(args),
     "steps": total_steps,
     "seconds": round(seconds, 2),
@@ -192,7 +236,7 @@ def main(argv=None):
   ax1.set_yscale("log")
   ax1.set_ylabel("cross-entropy")
   ax1.set_title(
-    f"digits, {args.preset}: test accuracy "
+    f"digits {args.model}, {args.preset}: test accuracy "
     f"{summary['test_accuracy']:.3f}\n{preset.policy}",
     fontsize=10,
   )

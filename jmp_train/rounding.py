@@ -31,14 +31,19 @@ def _round_leaf(x: jax.Array, dtype: np.dtype, key: jax.Array) -> jax.Array:
   toward = jnp.where(near < x, jnp.inf, -jnp.inf).astype(dtype)
   other = jnp.nextafter(nearest, toward).astype(wide)
   lo, hi = jnp.minimum(near, other), jnp.maximum(near, other)
-  # Exact in float32: x - lo is within one ulp of the target dtype, hi - lo a
-  # power of two.
-  p_up = (x - lo) / (hi - lo)
+  # Scaled by a power of two to magnitude ~1 (exact), so that x - lo (within
+  # one target ulp) and hi - lo (a power of two) are exact and never
+  # subnormal, which CPU and GPU arithmetic would flush to zero.
+  _, exponent = jnp.frexp(jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
+  x_, lo_, hi_ = (jnp.ldexp(v, -exponent) for v in (x, lo, hi))
+  p_up = (x_ - lo_) / (hi_ - lo_)
   up = jax.random.uniform(key, x.shape, wide) < p_up
   rounded = jnp.where(up, hi, lo)
-  # Exact values, inf/NaN, and values beyond the largest finite target value
-  # (whose upper neighbour is inf) round to nearest, as a plain cast does.
+  # Exact values, inf/NaN, values beyond the largest finite target value
+  # (whose upper neighbour is inf), and float32 subnormals (which CPU and GPU
+  # arithmetic flushes to zero) round to nearest, as a plain cast does.
   plain = (near == x) | ~jnp.isfinite(x) | ~jnp.isfinite(hi) | ~jnp.isfinite(lo)
+  plain |= jnp.abs(x) < jnp.finfo(wide).tiny
   return jnp.where(plain, near, rounded).astype(dtype)
 
 
@@ -49,8 +54,10 @@ def cast_stochastic(tree: T, dtype: Any, key: jax.Array) -> T:
   probability proportional to its distance from the lower one: unbiased, with
   variance `(x - lo) * (hi - lo - (x - lo))` per value. Leaves already in
   bfloat16 or float16 are cast plainly; integer, boolean, float8 and
-  non-array leaves are returned untouched. Inf and NaN stay inf and NaN, and
-  values beyond the largest finite `dtype` value round to nearest.
+  non-array leaves are returned untouched. Inf and NaN stay inf and NaN;
+  values beyond the largest finite `dtype` value, and float32 subnormals
+  (below 1.2e-38, flushed to zero by accelerator arithmetic), round to
+  nearest.
 
   Args:
     tree: a pytree of arrays.

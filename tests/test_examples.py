@@ -42,6 +42,25 @@ def test_digits_example_trains_and_writes_outputs(tmp_path, preset):
     assert saved["param_dtypes"] == ["bfloat16", "float32"]
 
 
+def test_fp8_mlp_trains_to_within_one_point_of_bf16(tmp_path):
+  main = load("examples/digits.py")["main"]
+  runs = {
+    preset: main(["--model", "mlp", "--preset", preset, "--out", str(tmp_path)])
+    for preset in ("bf16-mixed", "bf16-fp8-mixed")
+  }
+  bf16, fp8 = runs["bf16-mixed"], runs["bf16-fp8-mixed"]
+  assert bf16["fp8"] is None and fp8["fp8"]["format"] == "hybrid"
+  assert bf16["test_accuracy"] > 0.95
+  assert abs(fp8["test_accuracy"] - bf16["test_accuracy"]) <= 0.01
+  # FP8 was really on: the delayed scales moved away from 1 during training.
+  last = fp8["history"][-1]
+  assert last["fp8_input_scale_max"] == 448.0  # inputs are in [0, 1]
+  assert (
+    1e5 < last["fp8_output_grad_scale_min"] < last["fp8_output_grad_scale_max"]
+  )
+  assert "fp8_input_scale_max" not in bf16["history"][-1]
+
+
 def test_overhead_benchmark_runs(capsys):
   main = load("benchmarks/overhead.py")["main"]
   result = main(
@@ -55,6 +74,14 @@ def test_overhead_benchmark_runs(capsys):
   }
   assert result["skipped_steps_ours"] == 0
   assert "| ours |" in capsys.readouterr().out
+
+
+def test_fp8_benchmark_runs(capsys):
+  main = load("benchmarks/fp8.py")["main"]
+  result = main(["--matmul", "--sizes", "64", "--rounds", "2", "--warmup", "1"])
+  (row,) = result["matmul"]
+  assert row["n"] == 64 and row["bf16_ms"] > 0 and row["fp8_ms"] > 0
+  assert "| 64 |" in capsys.readouterr().out
 
 
 def test_readme_quick_start_runs():

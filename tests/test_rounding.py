@@ -1,0 +1,152 @@
+"""Stochastic rounding: unbiased casts, and bf16 updates without masters."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jmp_train
+
+N = 20_000  # roundings per value
+
+
+def _neighbours(x, dtype):
+  """The two values of `dtype` around float32 `x`, from ml_dtypes' tables."""
+  info = ml_dtypes.finfo(dtype)
+  near = np.float32(x).astype(dtype)
+  up = np.nextafter(near, np.array(np.inf, dtype)).astype(np.float64)
+  down = np.nextafter(near, np.array(-np.inf, dtype)).astype(np.float64)
+  near = float(near)
+  lo, hi = (near, up) if near <= x else (down, near)
+  assert lo <= x <= hi and hi - lo > 0, (x, info)
+  return lo, hi
+
+
+@pytest.mark.parametrize(
+  "dtype, values",
+  [
+    (jnp.bfloat16, [1.0 + 2.0**-10, -3.3, 1e-3, 7.77e30, 3.3e-38]),
+    (jnp.float16, [1.0 + 2.0**-13, -3.3, 1e-3, 6.5e4 - 3, 3e-7]),
+  ],
+)
+def test_rounding_is_unbiased_with_bernoulli_variance(dtype, values):
+  x = jnp.asarray(np.repeat(np.float32(values)[None], N, axis=0))
+  y = np.asarray(
+    jax.jit(jmp_train.cast_stochastic, static_argnums=1)(
+      x, dtype, jax.random.key(0)
+    )
+  ).astype(np.float64)
+  assert y.dtype == np.float64
+  for j, v in enumerate(np.float32(values).astype(np.float64)):
+    lo, hi = _neighbours(v, dtype)
+    column = y[:, j]
+    assert set(np.unique(column)) <= {lo, hi}
+    p = (v - lo) / (hi - lo)
+    # Mean: within 5 standard errors of x.
+    sigma = np.sqrt(p * (1 - p) / N) * (hi - lo)
+    assert abs(column.mean() - v) <= 5 * sigma + 1e-12 * abs(v), (
+      v,
+      column.mean(),
+    )
+    # Variance (x - lo)(hi - x), within 10%.
+    want = (v - lo) * (hi - v)
+    np.testing.assert_allclose(column.var(), want, rtol=0.1)
+
+
+def test_round_to_nearest_is_biased_where_stochastic_rounding_is_not():
+  x = jnp.full((N,), 1.0 + 2.0**-10, jnp.float32)  # 1/8 of a bf16 ulp
+  nearest = np.asarray(x.astype(jnp.bfloat16), np.float64).mean()
+  stochastic = np.asarray(
+    jmp_train.cast_stochastic(x, jnp.bfloat16, jax.random.key(1)), np.float64
+  ).mean()
+  assert nearest == 1.0
+  assert abs(stochastic - (1.0 + 2.0**-10)) < 2e-4
+
+
+def test_special_values_and_other_leaves_pass_as_a_plain_cast_would():
+  x = jnp.asarray([np.inf, -np.inf, np.nan, 0.0, -0.0, 1.5, 1e6], jnp.float32)
+  subnormal = jnp.asarray([1.1e-39, -3e-40], jnp.float32)
+  np.testing.assert_array_equal(
+    jmp_train.cast_stochastic(subnormal, jnp.bfloat16, jax.random.key(0)),
+    subnormal.astype(jnp.bfloat16),
+  )
+  tree = {
+    "x": x,
+    "i": jnp.arange(3),
+    "b": jnp.ones(2, bool),
+    "f8": jnp.ones(2, jnp.float8_e4m3fn),
+    "h": jnp.asarray([1.0], jnp.bfloat16),
+  }
+  out = jmp_train.cast_stochastic(tree, jnp.float16, jax.random.key(0))
+  # Exact values stay; 1e6 is beyond float16's max and rounds as a cast does,
+  # like float32 subnormals (flushed to zero by CPU and GPU arithmetic).
+  np.testing.assert_array_equal(out["x"], x.astype(jnp.float16))
+  assert np.signbit(np.asarray(out["x"][4]))
+  for k in ("i", "b", "f8"):
+    assert out[k] is tree[k]
+  assert out["h"].dtype == jnp.float16
+  with pytest.raises(
+    ValueError, match="bfloat16 or float16, got dtype .*float32"
+  ):
+    jmp_train.cast_stochastic(x, jnp.float32, jax.random.key(0))
+
+
+# ---------------------------------------------------------------------------
+# mixed_precision(..., master_weights=False, stochastic_rounding=True)
+
+
+def _run(steps, *, stochastic, seed=0, start=None):
+  """SGD with a constant gradient whose updates are 1/16 of a bf16 ulp."""
+  params = {"w": jnp.ones((4096,), jnp.bfloat16), "n": jnp.arange(2)}
+  tx = jmp_train.mixed_precision(
+    optax.sgd(2.0**-11),
+    master_weights=False,
+    stochastic_rounding=stochastic,
+    seed=seed,
+  )
+  grads = {"w": jnp.ones((4096,), jnp.bfloat16), "n": jnp.zeros(2, jnp.int32)}
+
+  @jax.jit
+  def step(params, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state = start or (params, tx.init(params))
+  history = []
+  for _ in range(steps):
+    params, state = step(params, state)
+    history.append((params, state))
+  return history
+
+
+def test_stochastic_rounding_keeps_small_updates_that_nearest_loses():
+  steps = 32
+  nearest = _run(steps, stochastic=False)[-1][0]
+  stochastic = _run(steps, stochastic=True)[-1][0]
+  want = 1.0 - steps * 2.0**-11  # the float32 run
+  assert (np.asarray(nearest["w"], np.float32) == 1.0).all()  # all lost
+  mean = np.asarray(stochastic["w"], np.float64).mean()
+  assert abs(mean - want) < 3e-4, mean
+  np.testing.assert_array_equal(stochastic["n"], [0, 1])
+
+
+def test_stochastic_rounding_is_reproducible_from_the_step():
+  first = _run(6, stochastic=True)
+  again = _run(6, stochastic=True)
+  resumed = _run(3, stochastic=True, start=first[2])
+  other_seed = _run(6, stochastic=True, seed=1)
+  final = np.asarray(first[-1][0]["w"])
+  np.testing.assert_array_equal(np.asarray(again[-1][0]["w"]), final)
+  np.testing.assert_array_equal(np.asarray(resumed[-1][0]["w"]), final)
+  assert not np.array_equal(np.asarray(other_seed[-1][0]["w"]), final)
+
+
+def test_stochastic_rounding_needs_master_weights_off():
+  with pytest.raises(ValueError, match="pass master_weights=False"):
+    jmp_train.mixed_precision(optax.sgd(1.0), stochastic_rounding=True)
+  with pytest.raises(TypeError, match="stochastic_rounding must be True or"):
+    jmp_train.mixed_precision(
+      optax.sgd(1.0), master_weights=False, stochastic_rounding=1
+    )
