@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/python examples/digits.py $(ARGS)
 
+# Two workers, one file each at a time (module fixtures compile once).
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

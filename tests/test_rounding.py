@@ -79,13 +79,18 @@ def test_special_values_and_other_leaves_pass_as_a_plain_cast_would():
     "f8": jnp.ones(2, jnp.float8_e4m3fn),
     "h": jnp.asarray([1.0], jnp.bfloat16),
   }
-  out = jmp_train.cast_stochastic(tree, jnp.float16, jax.random.key(0))
+  out = jax.jit(jmp_train.cast_stochastic, static_argnums=1)(
+    tree, jnp.float16, jax.random.key(0)
+  )
   # Exact values stay; 1e6 is beyond float16's max and rounds as a cast does,
   # like float32 subnormals (flushed to zero by CPU and GPU arithmetic).
   np.testing.assert_array_equal(out["x"], x.astype(jnp.float16))
   assert np.signbit(np.asarray(out["x"][4]))
   for k in ("i", "b", "f8"):
-    assert out[k] is tree[k]
+    assert out[k].dtype == tree[k].dtype
+    np.testing.assert_array_equal(out[k], tree[k])
+  eager = jmp_train.cast_stochastic(tree["i"], jnp.float16, jax.random.key(0))
+  assert eager is tree["i"]
   assert out["h"].dtype == jnp.float16
   with pytest.raises(
     ValueError, match="bfloat16 or float16, got dtype .*float32"
