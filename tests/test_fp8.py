@@ -495,3 +495,38 @@ def test_checkpoints_keep_the_fp8_state(tmp_path):
     assert a.recipe == b.recipe and (np.asarray(b.scale) != 1).any()
     np.testing.assert_array_equal(a.scale, b.scale)
     np.testing.assert_array_equal(a.amax_history, b.amax_history)
+
+
+def test_scanned_layers_keep_one_fp8_state_per_layer():
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.relu(nn.Dense(8)(x)), None
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(
+        Layer,
+        variable_axes={"params": 0, "fp8_meta": 0},
+        split_rngs={"params": True},
+        length=3,
+      )
+      return scan()(x, None)[0]
+
+  model = jmp_train.linen.wrap(
+    Deep(), "float32", fp8=fp8.Fp8Recipe(amax_history_len=2)
+  )
+  x = jnp.full((2, 8), -2.0)
+  v = jax.jit(model.init)(jax.random.key(0), x)
+
+  def loss(params, meta):
+    return jnp.sum(model.apply({"params": params, "fp8_meta": meta}, x))
+
+  _, grads = jax.jit(jax.grad(loss, (0, 1)))(v["params"], v["fp8_meta"])
+  (state,) = fp8._states(fp8.update(v["fp8_meta"], grads))
+  assert state.scale.shape == (3, 3) and state.amax_history.shape == (3, 3, 2)
+  history = np.asarray(state.amax_history[..., 0])
+  assert history[0, 0] == 2.0  # layer 0 sees |x| = 2
+  assert len(set(history[:, 1].tolist())) == 3  # each layer its own kernel
+  np.testing.assert_allclose(state.scale, 448.0 / history * [1, 1, 128])
