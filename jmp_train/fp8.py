@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_train import loss_scale
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -224,23 +226,22 @@ def update(
   Returns:
     `tree` with each FP8 state's history rolled and scale recomputed.
   """
-  pairs = list(
-    zip(_states(tree), _states(grads), strict=True)
-  )  # raises on a mismatch
+  pairs = list(zip(_states(tree), _states(grads), strict=True))
   if not pairs:
     return tree
   amaxes = [combined_amax(g) for _, g in pairs]
   ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in amaxes]))
   if finite is not None:
     ok = ok & jnp.asarray(finite, jnp.bool_)
-
-  def advance(s, g):
-    if not is_fp8_state(s):
-      return s
-    new = step_state(s, combined_amax(g))
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, s)
-
-  return jax.tree.map(advance, tree, grads, is_leaf=is_fp8_state)
+  advanced = iter(
+    loss_scale.select_tree(ok, step_state(s, amax), s)
+    for (s, _), amax in zip(pairs, amaxes, strict=True)
+  )
+  return jax.tree.map(
+    lambda x: next(advanced) if is_fp8_state(x) else x,
+    tree,
+    is_leaf=is_fp8_state,
+  )
 
 
 def scales(tree: Any) -> dict[str, jax.Array]:

@@ -148,10 +148,14 @@ def _make_plan(tx, params, mesh, data_axis, zero_stage, param_specs) -> _Plan:
   if param_specs is None:
     param_specs = jax.tree.map(lambda p: _spec_of(p, mesh), params)
   try:
+    # FP8 states stay replicated: laid out as on a data axis of size 1.
     layouts = jax.tree.map(
-      lambda p, s: leaf_layout(tuple(p.shape), s, n, data_axis),
+      lambda p, s, is_fp8: leaf_layout(
+        tuple(p.shape), s, 1 if is_fp8 else n, data_axis
+      ),
       params,
       param_specs,
+      _fp8_leaves(params),
     )
   except ValueError as e:
     if "structure" not in str(e) and "Custom node" not in str(e):
@@ -161,17 +165,6 @@ def _make_plan(tx, params, mesh, data_axis, zero_stage, param_specs) -> _Plan:
       f"per param): {e}"
     ) from None
   is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
-
-  def replicate_fp8(p, lay):
-    if not fp8.is_fp8_state(p):
-      return lay
-    return jax.tree.map(
-      lambda x: x._replace(dim=None, padded=0), lay, is_leaf=is_layout
-    )
-
-  layouts = jax.tree.map(
-    replicate_fp8, params, layouts, is_leaf=fp8.is_fp8_state
-  )
   param_shardings = jax.tree.map(
     lambda lay: NamedSharding(mesh, P(*lay.spec)), layouts, is_leaf=is_layout
   )

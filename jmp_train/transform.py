@@ -56,9 +56,7 @@ def _pass_fp8_through(updates: Any, params: Any) -> Any:
   """Fills the masked FP8 positions of `updates` with -0.0 (no change)."""
 
   def fill(u, p):
-    if fp8_lib.is_fp8_state(p):
-      return jax.tree.map(lambda x: jnp.full(x.shape, -0.0, x.dtype), p)
-    return u
+    return _skip_updates(p) if fp8_lib.is_fp8_state(p) else u
 
   return jax.tree.map(fill, updates, params, is_leaf=_is_masked)
 
