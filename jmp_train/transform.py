@@ -383,12 +383,13 @@ def train_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     A dict with `loss_scale` (float32), `steps` and `skipped_steps` (int32),
     `last_step_finite` (bool) and `grad_norm` (float32, the global L2 norm of
     the last step's unscaled gradients). Works under jit; no host sync.
+    Leaves held in `nnx.Optimizer`'s variables come back as plain arrays.
   """
   state = _find_state(opt_state)
   return {
     "loss_scale": jnp.asarray(state.loss_scaler.loss_scale, jnp.float32),
-    "steps": state.steps,
-    "skipped_steps": state.skipped_steps,
-    "last_step_finite": state.last_step_finite,
-    "grad_norm": state.grad_norm,
+    "steps": jnp.asarray(state.steps),
+    "skipped_steps": jnp.asarray(state.skipped_steps),
+    "last_step_finite": jnp.asarray(state.last_step_finite),
+    "grad_norm": jnp.asarray(state.grad_norm),
   }
