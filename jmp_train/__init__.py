@@ -2,12 +2,15 @@
 
 A drop-in superset of jmp's public API (`import jmp_train as jmp`), plus an
 optax transformation with loss scaling, step skipping and FP32 master weights,
-Flax linen wrapping (`jmp_train.linen.wrap`), FP8 delayed scaling
+Flax linen and NNX wrapping (`jmp_train.linen.wrap`, `jmp_train.nnx.wrap`),
+monitoring inside jit (`jmp_train.monitor`), FP8 delayed scaling
 (`jmp_train.fp8`), stochastic rounding and named presets.
 """
 
 from jmp_train import fp8 as fp8
 from jmp_train import linen as linen
+from jmp_train import monitor as monitor
+from jmp_train import nnx as nnx
 from jmp_train.loss_scale import DynamicLossScale as DynamicLossScale
 from jmp_train.loss_scale import LossScale as LossScale
 from jmp_train.loss_scale import NoOpLossScale as NoOpLossScale

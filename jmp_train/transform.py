@@ -83,6 +83,8 @@ class MixedPrecisionState(NamedTuple):
     skipped_steps: number of updates skipped for non-finite gradients.
     last_step_finite: whether the last step's gradients were all finite.
     grad_norm: global L2 norm of the last step's unscaled gradients.
+    skip_streak: number of consecutive skipped steps up to the last one (0
+      after a finite step); `jmp_train.monitor.loss_scale_alarms` reads it.
   """
 
   loss_scaler: ls_lib.LossScale
@@ -92,6 +94,7 @@ class MixedPrecisionState(NamedTuple):
   skipped_steps: jax.Array
   last_step_finite: jax.Array
   grad_norm: jax.Array
+  skip_streak: jax.Array
 
 
 def _as_loss_scale(loss_scale: Any) -> ls_lib.LossScale:
@@ -211,6 +214,7 @@ def mixed_precision(
       skipped_steps=jnp.zeros([], jnp.int32),
       last_step_finite=jnp.ones([], jnp.bool_),
       grad_norm=jnp.zeros([], jnp.float32),
+      skip_streak=jnp.zeros([], jnp.int32),
     )
 
   def update(grads, state, params=None, **extra_args):
@@ -294,6 +298,7 @@ def mixed_precision(
       skipped_steps=state.skipped_steps + jnp.where(finite, 0, 1),
       last_step_finite=finite,
       grad_norm=jnp.sqrt(sq_norm),
+      skip_streak=jnp.where(finite, 0, state.skip_streak + 1),
     )
     return updates, new_state
 
@@ -381,8 +386,9 @@ def train_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
   Returns:
     A dict with `loss_scale` (float32), `steps` and `skipped_steps` (int32),
-    `last_step_finite` (bool) and `grad_norm` (float32, the global L2 norm of
-    the last step's unscaled gradients). Works under jit; no host sync.
+    `last_step_finite` (bool), `grad_norm` (float32, the global L2 norm of
+    the last step's unscaled gradients) and `skip_streak` (int32, consecutive
+    skipped steps). Works under jit; no host sync.
     Leaves held in `nnx.Optimizer`'s variables come back as plain arrays.
   """
   state = _find_state(opt_state)
@@ -392,4 +398,5 @@ def train_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     "skipped_steps": jnp.asarray(state.skipped_steps),
     "last_step_finite": jnp.asarray(state.last_step_finite),
     "grad_norm": jnp.asarray(state.grad_norm),
+    "skip_streak": jnp.asarray(state.skip_streak),
   }

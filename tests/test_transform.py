@@ -479,12 +479,14 @@ def test_train_metrics_against_numpy(variant):
   assert float(metrics["loss_scale"]) == 2.0**10
   assert int(metrics["steps"]) == 1 and int(metrics["skipped_steps"]) == 0
   assert bool(metrics["last_step_finite"])
+  assert int(metrics["skip_streak"]) == 0
   assert set(metrics) == {
     "loss_scale",
     "steps",
     "skipped_steps",
     "last_step_finite",
     "grad_norm",
+    "skip_streak",
   }
 
 

@@ -1,0 +1,119 @@
+"""monitor: counts against NumPy, alarms against a simulated loss scale."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_train
+from jmp_train import monitor
+
+
+def _tree():
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((5, 7)).astype(np.float32)
+  a[1, 2], a[3, 3], a[4, 0] = np.inf, np.nan, -np.inf
+  a[0, :3] = 0.0
+  a[2, 1] = -0.0
+  b = rng.standard_normal((6,)).astype(np.float16)
+  b[5] = np.nan
+  b[0] = 0
+  return {
+    "blocks": [{"kernel": jnp.asarray(a)}, {"kernel": jnp.ones((3,))}],
+    "head": {"bias": jnp.asarray(b)},
+    "step": jnp.zeros((4,), jnp.int32),  # ints and bools are not counted
+    "mask": jnp.zeros((2,), jnp.bool_),
+  }, (a, b)
+
+
+def test_counts_match_numpy_under_jit():
+  tree, (a, b) = _tree()
+  counts = jax.jit(monitor.nonfinite_counts)(tree)
+  assert int(counts["blocks"][0]["kernel"]) == (~np.isfinite(a)).sum() == 3
+  assert int(counts["head"]["bias"]) == (~np.isfinite(b)).sum() == 1
+  assert int(counts["blocks"][1]["kernel"]) == 0
+  assert counts["step"] is None and counts["mask"] is None
+  assert monitor.nonfinite_report(counts) == {
+    "blocks/0/kernel": 3,
+    "head/bias": 1,
+  }
+  zeros = jax.jit(monitor.num_zeros)(tree)
+  assert zeros.dtype == jnp.int32
+  assert int(zeros) == (a == 0).sum() + (b == 0).sum() == 5
+
+
+def _run_skips(loss_scale, pattern, falling_streak=3):
+  """Feeds gradients that are finite ('o') or not ('x') through the step."""
+  params = {"w": jnp.ones((3,))}
+  tx = jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=loss_scale)
+
+  @jax.jit
+  def step(state, bad):
+    grads = {"w": jnp.where(bad, jnp.inf, 1.0) * jnp.ones((3,))}
+    _, state = tx.update(grads, state, params)
+    alarms = monitor.warn_loss_scale(state, falling_streak=falling_streak)
+    return state, alarms, jmp_train.train_metrics(state)
+
+  state, seen = tx.init(params), []
+  for c in pattern:
+    state, alarms, metrics = step(state, c == "x")
+    seen.append(
+      (
+        bool(alarms["falling"]),
+        bool(alarms["at_minimum"]),
+        float(metrics["loss_scale"]),
+        int(metrics["skip_streak"]),
+      )
+    )
+  jax.effects_barrier()
+  return seen
+
+
+def _simulate(pattern, scale, min_scale, falling_streak=3):
+  """The expected alarms, from the DESIGN.md rule with hysteresis 1."""
+  out, streak = [], 0
+  for c in pattern:
+    if c == "x":
+      streak += 1
+      scale = max(scale * 0.5, min_scale)
+    else:
+      streak = 0
+    at_min = streak > 0 and scale <= min_scale
+    out.append((streak >= falling_streak, at_min, scale, streak))
+  return out
+
+
+def test_alarms_follow_the_loss_scale_and_warn_only_when_on():
+  pattern = "oxxxoxxxxoxo"
+  ls = jmp_train.dynamic_loss_scale(16.0, min_scale=1.0, growth_interval=100)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    seen = _run_skips(ls, pattern)
+  expected = _simulate(pattern, 16.0, 1.0)
+  assert seen == expected
+  messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+  on = [e for e in expected if e[0] or e[1]]
+  assert len(messages) == len(on) == 6
+  assert (
+    "keeps falling (3 skipped steps in a row, loss scale now 2)"
+    in (messages[0])
+  )
+  assert "minimum (1)" in messages[1] and "(1 skipped steps" in messages[1]
+
+
+def test_static_scale_never_at_minimum_and_bad_streak():
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    seen = _run_skips(jmp_train.StaticLossScale(1.0), "xxxx", falling_streak=2)
+  assert "steps keep failing (2 skipped" in str(caught[0].message)
+  assert [s[:2] for s in seen] == [(False, False), (True, False)] + [
+    (True, False)
+  ] * 2
+  state = jmp_train.mixed_precision(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+  with pytest.raises(ValueError, match="falling_streak must be >= 1, got 0"):
+    monitor.loss_scale_alarms(state, falling_streak=0)
+  with pytest.raises(TypeError, match="falling_streak must be an int"):
+    monitor.loss_scale_alarms(state, falling_streak=True)
