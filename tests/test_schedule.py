@@ -1,0 +1,176 @@
+"""adjust_precision: state kept bit for bit, continued against plain optax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_train
+from jmp_train import schedule
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  return {
+    "dense": {"kernel": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)},
+    "norm": {"scale": jnp.ones((3,), jnp.float32)},
+    "count": jnp.arange(2, dtype=jnp.int32),
+  }
+
+
+def _grads(params, i):
+  rng = np.random.default_rng(100 + i)
+  return jax.tree.map(
+    lambda p: (
+      jnp.asarray(rng.standard_normal(p.shape), p.dtype)
+      if jnp.issubdtype(p.dtype, jnp.floating)
+      else jnp.zeros_like(p)
+    ),
+    params,
+  )
+
+
+def _run(tx, params, state, steps, start=0):
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(start, start + steps):
+    params, state = step(params, state, _grads(params, i))
+  return params, state
+
+
+def _bf16_norm_f32(params):
+  """What wrap gives under bf16-true: the norm stays float32."""
+  return {
+    "dense": {"kernel": jnp.bfloat16},
+    "norm": {"scale": jnp.float32},
+    "count": jnp.int32,
+  }
+
+
+def test_bf16_true_to_fp32_keeps_state_and_continues_like_optax():
+  tx = jmp_train.get_preset("bf16-true").mixed_precision(optax.adam(1e-2))
+  params = jmp_train.cast_floating(_params(), jnp.bfloat16)
+  params["norm"]["scale"] = params["norm"]["scale"].astype(jnp.float32)
+  params, state = _run(tx, params, tx.init(params), 4)
+  masters = state.master_params
+  new_params, new_state = schedule.adjust_precision(params, state, "fp32")
+  # Params become their float32 masters exactly (the norm was its own).
+  np.testing.assert_array_equal(
+    new_params["dense"]["kernel"], masters["dense"]["kernel"]
+  )
+  assert new_params["dense"]["kernel"].dtype == jnp.float32
+  np.testing.assert_array_equal(
+    new_params["norm"]["scale"], params["norm"]["scale"]
+  )
+  assert new_params["count"] is params["count"]
+  # Inner state and counters are the same arrays; no masters remain.
+  assert jax.tree.leaves(new_state.inner_state) == jax.tree.leaves(
+    state.inner_state
+  )
+  assert int(new_state.steps) == 4
+  assert all(
+    isinstance(m, optax.MaskedNode)
+    for m in jax.tree.leaves(
+      new_state.master_params, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+    )
+  )
+  # The same tx keeps going, exactly like plain Adam from that state.
+  ours, _ = _run(tx, new_params, new_state, 3, start=4)
+  adam = optax.adam(1e-2)
+  floats = {"dense": new_params["dense"], "norm": new_params["norm"]}
+  inner = new_state.inner_state
+  # Plain Adam's state: ours without the masked integer leaf.
+  ref_state = (
+    inner[0]._replace(
+      mu={k: v for k, v in inner[0].mu.items() if k != "count"},
+      nu={k: v for k, v in inner[0].nu.items() if k != "count"},
+    ),
+    inner[1],
+  )
+  for i in range(4, 7):
+    grads = _grads(floats, i)
+    updates, ref_state = adam.update(grads, ref_state, floats)
+    floats = optax.apply_updates(floats, updates)
+  np.testing.assert_array_equal(
+    ours["dense"]["kernel"], floats["dense"]["kernel"]
+  )
+  np.testing.assert_array_equal(ours["norm"]["scale"], floats["norm"]["scale"])
+
+
+def test_fp32_to_bf16_true_makes_exact_masters_per_param_dtypes():
+  tx = jmp_train.get_preset("fp32").mixed_precision(optax.sgd(0.1))
+  params, state = _run(tx, _params(), tx.init(_params()), 2)
+  new_params, new_state = schedule.adjust_precision(
+    params, state, "bf16-true", param_dtypes=_bf16_norm_f32(params)
+  )
+  kernel = params["dense"]["kernel"]
+  assert new_params["dense"]["kernel"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+    new_params["dense"]["kernel"], kernel.astype(jnp.bfloat16)
+  )
+  np.testing.assert_array_equal(
+    new_state.master_params["dense"]["kernel"], kernel
+  )
+  assert isinstance(new_state.master_params["norm"]["scale"], optax.MaskedNode)
+  assert new_params["norm"]["scale"].dtype == jnp.float32
+  # Stepping on: params stay the masters cast down.
+  p2, s2 = _run(tx, new_params, new_state, 2, start=2)
+  np.testing.assert_array_equal(
+    p2["dense"]["kernel"],
+    s2.master_params["dense"]["kernel"].astype(jnp.bfloat16),
+  )
+
+
+def test_loss_scale_kept_only_for_same_settings_and_found_in_a_chain():
+  fp16 = jmp_train.get_preset("fp16-mixed")
+  tx = optax.chain(optax.identity(), fp16.mixed_precision(optax.sgd(0.1)))
+  params = _params()
+  state = tx.init(params)
+  inf_grads = jax.tree.map(
+    lambda g: g * jnp.inf if g.dtype == jnp.float32 else g, _grads(params, 0)
+  )
+  _, state = tx.update(inf_grads, state, params)  # one backoff: 2**14
+  assert float(jmp_train.current_loss_scale(state)) == 2.0**14
+  _, same = schedule.adjust_precision(params, state, "fp16-mixed")
+  assert float(jmp_train.current_loss_scale(same)) == 2.0**14
+  assert int(jmp_train.train_metrics(same)["skipped_steps"]) == 1
+  _, bf16 = schedule.adjust_precision(params, state, "bf16-mixed")
+  assert isinstance(
+    jmp_train.transform._find_state(bf16).loss_scaler, jmp_train.NoOpLossScale
+  )
+  assert float(jmp_train.current_loss_scale(bf16)) == 1.0
+  _, back = schedule.adjust_precision(params, bf16, fp16)
+  assert float(jmp_train.current_loss_scale(back)) == 2.0**15
+
+
+def test_bad_input_and_schedule():
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  params = _params()
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="structure of params"):
+    schedule.adjust_precision(
+      params, state, "fp32", param_dtypes={"dense": jnp.float32}
+    )
+  bad = _bf16_norm_f32(params)
+  bad["dense"]["kernel"] = jnp.int8
+  with pytest.raises(ValueError, match="cannot become int8"):
+    schedule.adjust_precision(params, state, "fp32", param_dtypes=bad)
+  with pytest.raises(ValueError, match="Unknown preset 'fp12'"):
+    schedule.adjust_precision(params, state, "fp12")
+  with pytest.raises(ValueError, match="step 0"):
+    schedule.PrecisionSchedule({5: "fp32"})
+  with pytest.raises(ValueError, match="ints >= 0, got -1"):
+    schedule.PrecisionSchedule({0: "fp32", -1: "bf16-mixed"})
+  plan = schedule.PrecisionSchedule({0: "fp32", 10: "bf16-true", 20: "fp32"})
+  names = [plan.preset_at(s).name for s in (0, 9, 10, 19, 20, 99)]
+  assert names == ["fp32", "fp32", "bf16-true", "bf16-true", "fp32", "fp32"]
+  assert [plan.switch_at(s) is not None for s in (0, 10, 11, 20)] == [
+    False,
+    True,
+    False,
+    True,
+  ]
