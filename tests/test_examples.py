@@ -91,3 +91,48 @@ def test_readme_quick_start_runs():
   namespace = {}
   exec(compile(code, "README.md quick start", "exec"), namespace)  # noqa: S102
   assert namespace["losses"][-1] < namespace["losses"][0]
+
+
+def test_gpt_example_zero1_accum_fp8_compare(tmp_path):
+  main = load("examples/gpt.py")["main"]
+  runs = main(
+    [
+      "--compare",
+      "fp32,fp16-mixed",
+      "--zero1",
+      "--accum",
+      "2",
+      "--fp8",
+      "--steps",
+      "24",
+      "--layers",
+      "1",
+      "--d-model",
+      "32",
+      "--seq-len",
+      "16",
+      "--batch-size",
+      "16",
+      "--text-bytes",
+      "200000",
+      "--growth-interval",
+      "5",
+      "--eval-every",
+      "12",
+      "--out",
+      str(tmp_path),
+    ]
+  )
+  out = tmp_path / "gpt-compare"
+  assert (out / "curves.png").stat().st_size > 10_000
+  for run in runs:
+    saved = json.loads((out / f"metrics-{run['preset']}.json").read_text())
+    assert saved["devices"] == 8 and saved["fp8"]["format"] == "hybrid"
+    losses = [h["loss"] for h in saved["history"]]
+    # From ln(128) = 4.85 nats per character (uniform) clearly down.
+    assert losses[0] > 4.5 and sum(losses[-4:]) / 4 < 0.75 * losses[0]
+    assert saved["evals"][-1]["val_loss"] < 0.8 * losses[0]
+    assert saved["param_dtypes"] == ["float32"]
+  scales = [h["loss_scale"] for h in runs[1]["history"]]
+  assert max(scales) > scales[0]  # fp16-mixed: the scaler grew every 5 steps
+  assert {h["loss_scale"] for h in runs[0]["history"]} == {1.0}
