@@ -109,6 +109,7 @@ def load_text(max_bytes: int) -> np.ndarray:
 
 class CausalSelfAttention(nn.Module):
   heads: int
+  fused: bool = False  # jax.nn.dot_product_attention (cuDNN flash on GPU)
 
   @nn.compact
   def __call__(self, x):
@@ -116,6 +117,9 @@ class CausalSelfAttention(nn.Module):
     head_dim = d // self.heads
     qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if self.fused:  # the kernels keep softmax statistics in float32
+      y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      return nn.Dense(d, name="proj")(y.reshape(batch, seq, d))
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))
     # Softmax in float32, whatever the compute dtype (the ANCHORS trap).
@@ -127,31 +131,41 @@ class CausalSelfAttention(nn.Module):
 
 class Block(nn.Module):
   heads: int
+  fused: bool = False
 
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
-    x = x + CausalSelfAttention(self.heads, name="attn")(nn.LayerNorm()(x))
+    attn = CausalSelfAttention(self.heads, self.fused, name="attn")
+    x = x + attn(nn.LayerNorm()(x))
     h = nn.gelu(nn.Dense(4 * d, name="fc")(nn.LayerNorm()(x)))
     return x + nn.Dense(d, name="out")(h)
 
 
 class GPT(nn.Module):
+  """GPT-2's layout; `tied=True` reads logits off the token embedding."""
+
   layers: int
   d_model: int
   heads: int
   seq_len: int
+  vocab: int = VOCAB
+  tied: bool = False
+  fused_attention: bool = False
 
   @nn.compact
   def __call__(self, tokens):
-    x = nn.Embed(VOCAB, self.d_model, name="embed")(tokens)
+    embed = nn.Embed(self.vocab, self.d_model, name="embed")
     pos = self.param(
       "pos", nn.initializers.normal(0.02), (self.seq_len, self.d_model)
     )
-    x = x + pos[: tokens.shape[1]]
+    x = embed(tokens) + pos[: tokens.shape[1]]
     for i in range(self.layers):
-      x = Block(self.heads, name=f"block{i}")(x)
-    return nn.Dense(VOCAB, name="head")(nn.LayerNorm(name="ln_f")(x))
+      x = Block(self.heads, self.fused_attention, name=f"block{i}")(x)
+    x = nn.LayerNorm(name="ln_f")(x)
+    if self.tied:
+      return embed.attend(x)
+    return nn.Dense(self.vocab, name="head")(x)
 
 
 def cross_entropy(logits, targets):

@@ -1,0 +1,183 @@
+"""GPT-2 small (124M) train steps/s and MFU: plain optax vs jmp_train presets.
+
+Rows, timed side by side in one process (rotated order, median per round):
+
+- plain:      the unwrapped float32 model, a hand-written `jax.grad` +
+  `optax.adamw` + `optax.apply_updates` step.
+- fp32, bf16-mixed, bf16-fp8-mixed (or `--presets`): the model under
+  `linen.wrap(model, preset.policy, fp8=preset.fp8)` and
+  `preset.mixed_precision(optax.adamw)`, stepped by
+  `sharding.make_train_step` on one device (FP8 states advance inside it).
+
+The model is GPT-2 small: 12 layers, d_model 768, 12 heads, context 1024,
+vocabulary 50304 (50257 padded to a multiple of 64), tied embeddings; 124.5M
+params. Attention is `jax.nn.dot_product_attention` (cuDNN flash attention on
+GPU for bf16/fp16). MFU is model FLOPs per second over the device's dense bf16
+peak, with nanoGPT's count: 6 N + 12 L d T FLOPs per token, N the params
+without the position embedding.
+
+  python benchmarks/gpt2.py                      # needs a GPU
+  python benchmarks/gpt2.py --tiny               # any machine: a smoke run
+"""
+
+import argparse
+import json
+import pathlib
+import platform
+import runpy
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType
+
+import jmp_train
+from jmp_train import sharding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Dense bf16 peak FLOP/s (no sparsity), from the vendors' data sheets.
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--presets", default="fp32,bf16-mixed,bf16-fp8-mixed")
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--steps-per-round", type=int, default=5)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
+  p.add_argument("--json", default=None)
+  return p.parse_args(argv)
+
+
+def peak_flops(kind: str) -> float | None:
+  for name, peak in PEAK_BF16.items():
+    if name in kind:
+      return peak
+  return None
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  gpt = runpy.run_path(str(ROOT / "examples" / "gpt.py"), run_name="bench")
+  if args.tiny:
+    cfg = dict(layers=2, d_model=64, heads=4, seq_len=64, vocab=128)
+  else:
+    cfg = dict(layers=12, d_model=768, heads=12, seq_len=1024, vocab=50304)
+  base = gpt["GPT"](**cfg, tied=True, fused_attention=True)
+  seq = cfg["seq_len"]
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(
+    rng.integers(0, cfg["vocab"], (args.batch, seq + 1)), jnp.int32
+  )
+  loss_of = gpt["cross_entropy"]
+  init_params = jax.jit(
+    lambda m: m.init(jax.random.key(0), tokens[:1, :-1]), static_argnums=0
+  )
+  mesh = jax.make_mesh(
+    (1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
+  )
+
+  steps = {}
+  # plain: hand-written optax step on the unwrapped float32 model.
+  adamw = optax.adamw(1e-4)
+
+  @jax.jit
+  def plain_step(params, opt_state, batch):
+    def loss_fn(p):
+      return loss_of(base.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = adamw.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  params = init_params(base)["params"]
+  steps["plain"] = (plain_step, (params, adamw.init(params)))
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  n_flops = n_params - params["pos"].size
+
+  for name in args.presets.split(","):
+    preset = jmp_train.get_preset(name)
+    model = jmp_train.linen.wrap(base, preset.policy, fp8=preset.fp8)
+
+    def loss_fn(variables, batch, model=model):
+      return loss_of(model.apply(variables, batch[:, :-1]), batch[:, 1:])
+
+    step = sharding.make_train_step(
+      loss_fn, preset.mixed_precision(optax.adamw(1e-4)), mesh=mesh
+    )
+    steps[name] = (step, step.init(init_params(model)))
+
+  state = {}
+  for name, (step, init) in steps.items():
+    s = init
+    for _ in range(args.warmup):
+      *s, metrics = step(*s, tokens)
+    jax.block_until_ready(s)
+    state[name] = s
+    print(f"{name}: warm, loss {float(metrics['loss']):.3f}")
+
+  times = {name: [] for name in steps}
+  names = list(steps)
+  for r in range(args.rounds):
+    for name in names[r % len(names) :] + names[: r % len(names)]:
+      step = steps[name][0]
+      s = state[name]
+      t0 = time.perf_counter()
+      for _ in range(args.steps_per_round):
+        *s, metrics = step(*s, tokens)
+      jax.block_until_ready(s)
+      times[name].append((time.perf_counter() - t0) / args.steps_per_round)
+      state[name] = s
+
+  kind = jax.devices()[0].device_kind
+  peak = peak_flops(kind)
+  tokens_per_step = args.batch * seq
+  flops_per_token = 6 * n_flops + 12 * cfg["layers"] * cfg["d_model"] * seq
+  rows = []
+  for name in names:
+    sec = statistics.median(times[name])
+    achieved = flops_per_token * tokens_per_step / sec
+    rows.append(
+      {
+        "step": name,
+        "ms": round(sec * 1e3, 2),
+        "steps_per_s": round(1 / sec, 3),
+        "tokens_per_s": round(tokens_per_step / sec),
+        "tflops": round(achieved / 1e12, 2),
+        "mfu": round(achieved / peak, 4) if peak else None,
+        "ratio_vs_plain": round(sec / statistics.median(times["plain"]), 4),
+      }
+    )
+  result = {
+    "model": f"GPT {cfg}, tied, {n_params / 1e6:.1f}M params",
+    "batch": args.batch,
+    "rounds": args.rounds,
+    "steps_per_round": args.steps_per_round,
+    "device": f"{kind}, {platform.machine()}",
+    "peak_bf16_tflops": peak / 1e12 if peak else None,
+    "rows": rows,
+    "jax": jax.__version__,
+  }
+  print(f"{result['model']}, batch {args.batch}x{seq} on {result['device']}")
+  print("| step | ms/step | steps/s | tokens/s | TFLOP/s | MFU | vs plain |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    print(
+      f"| {r['step']} | {r['ms']:.1f} | {r['steps_per_s']:.2f} | "
+      f"{r['tokens_per_s']} | {r['tflops']:.1f} | {mfu} | "
+      f"{r['ratio_vs_plain']:.3f}x |"
+    )
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+  return result
+
+
+if __name__ == "__main__":
+  main()
