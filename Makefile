@@ -21,11 +21,9 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
+# Every benchmark, then BENCHMARKS.md rewritten from the results.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
-	$(BIN)/python benchmarks/overhead.py --update-only
-	$(BIN)/python benchmarks/zero1.py
-	$(BIN)/python benchmarks/fp8.py --accuracy
+	$(BIN)/python benchmarks/suite.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

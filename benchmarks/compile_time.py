@@ -46,6 +46,9 @@ def parse_args(argv=None):
   p.add_argument("--seq", type=int, default=128)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--rounds", type=int, default=5)
+  p.add_argument(
+    "--only", default=None, help="comma-separated steps (default: all seven)"
+  )
   p.add_argument("--json", default=None)
   return p.parse_args(argv)
 
@@ -140,7 +143,10 @@ def main(argv=None):
   gpt = runpy.run_path(str(ROOT / "examples" / "gpt.py"), run_name="bench")
   tokens = jnp.zeros((args.batch, args.seq + 1), jnp.int32)
   shapes = {}
-  for name, (model, tx, make, scaler) in variants(gpt["GPT"], args).items():
+  chosen = variants(gpt["GPT"], args)
+  if args.only:
+    chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
+  for name, (model, tx, make, scaler) in chosen.items():
     params = jax.eval_shape(
       lambda m=model: m.init(jax.random.key(0), tokens[:, :-1])["params"]
     )
@@ -165,7 +171,7 @@ def main(argv=None):
 
   med = lambda xs: statistics.median(xs)  # noqa: E731
   rows = []
-  base_total = med(trace["plain"]) + med(compile_["plain"])
+  base_total = med(trace[names[0]]) + med(compile_[names[0]])
   total = {n: med(trace[n]) + med(compile_[n]) for n in names}
   for name in names:
     twin = name.replace("ours-", "hand-")
@@ -177,11 +183,11 @@ def main(argv=None):
         "total_s": round(total[name], 4),
         "ratio_vs_plain": round(total[name] / base_total, 4),
         "ratio_vs_hand": round(total[name] / total[twin], 4)
-        if name.startswith("ours-")
+        if name.startswith("ours-") and twin in total
         else None,
       }
     )
-  n_params = sum(x.size for x in jax.tree.leaves(shapes["plain"][3]))
+  n_params = sum(x.size for x in jax.tree.leaves(shapes[names[0]][3]))
   result = {
     "model": f"GPT {args.layers}x{args.d_model}, seq {args.seq}, "
     f"{n_params / 1e6:.2f}M params",

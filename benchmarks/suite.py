@@ -5,8 +5,10 @@
   python benchmarks/suite.py --render   # rewrite the page from saved JSON
 
 Each benchmark runs in its own process (a clean JAX, 8 virtual CPU devices
-only where the benchmark asks for them) and writes JSON to --json-dir; this
-script then renders the markdown. GPU-only rows (GPT-2 small MFU, FP8 matmul
+only where the benchmark asks for them) and writes JSON to --json-dir
+(benchmarks/results/, committed: the data behind the page); this script then
+renders the markdown. `--render` with the committed results reproduces
+BENCHMARKS.md byte for byte (a test checks it). GPU-only rows (GPT-2 small MFU, FP8 matmul
 speed) run when the first device is a GPU and are marked "not measured"
 otherwise.
 """
@@ -89,8 +91,9 @@ def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
 
 def run_job(name, argv, json_dir: pathlib.Path) -> float:
   out = json_dir / f"{name}.json"
-  if argv[0] == "examples/gpt.py":  # writes its own metrics files
-    extra = ["--out", str(json_dir / name)]
+  gpt_dir = ROOT / "runs" / "bench-gpt"
+  if argv[0] == "examples/gpt.py":  # writes its own metrics files and chart
+    extra = ["--out", str(gpt_dir)]
   else:
     extra = ["--json", str(out)]
   print(f"== {name}: {' '.join(argv + extra)}", flush=True)
@@ -161,7 +164,7 @@ def render(results: dict, env: dict, quick: bool) -> str:
     "",
     "Every figure on this page comes from `python benchmarks/suite.py`, which"
     " runs each script in `benchmarks/` (and the GPT example) in its own"
-    " process and writes this page from their JSON (kept in `runs/bench/`)."
+    " process and writes this page from their JSON (`benchmarks/results/`)."
     " Rows that compare steps are timed side by side in one process, in"
     " rotated order, median of the rounds: absolute times drift on shared"
     " machines; the ratios are what to compare.",
@@ -533,7 +536,11 @@ def main(argv=None):
   p.add_argument("--render", action="store_true", help="only re-render")
   p.add_argument("--only", default=None, help="comma-separated job names")
   p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-  p.add_argument("--json-dir", default=str(ROOT / "runs" / "bench"))
+  p.add_argument(
+    "--json-dir",
+    default=str(ROOT / "benchmarks" / "results"),
+    help="where each benchmark's JSON goes (the committed results by default)",
+  )
   args = p.parse_args(argv)
 
   import jax  # only to see which device the benchmarks will get
@@ -560,8 +567,8 @@ def main(argv=None):
   results.pop("environment", None)
   page = render(results, env, args.quick)
   pathlib.Path(args.out).write_text(page)
-  chart = json_dir / "gpt" / "gpt-compare" / "curves.png"
-  if not args.quick and chart.exists() and "gpt" in todo:
+  chart = ROOT / "runs" / "bench-gpt" / "gpt-compare" / "curves.png"
+  if not (args.quick or args.render) and chart.exists() and "gpt" in todo:
     shutil.copy(chart, ROOT / "docs" / "gpt-compare.png")
   print(f"wrote {args.out}")
   return results

@@ -29,6 +29,7 @@ from jmp_train.presets import Preset as Preset
 from jmp_train.presets import get_preset as get_preset
 from jmp_train.rounding import cast_stochastic as cast_stochastic
 from jmp_train.schedule import PrecisionSchedule as PrecisionSchedule
+from jmp_train.schedule import adjust_nnx_precision as adjust_nnx_precision
 from jmp_train.schedule import adjust_precision as adjust_precision
 from jmp_train.transform import MixedPrecisionState as MixedPrecisionState
 from jmp_train.transform import current_loss_scale as current_loss_scale

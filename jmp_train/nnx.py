@@ -6,10 +6,10 @@ Its variables keep their structure, and afterwards:
 
 - every float `nnx.Param` is stored in the param dtype of the module that owns
   it (the policy's, or its class override's);
-- while the model runs, every float param reads as its owner's compute dtype
-  (`self.w.value`, `self.w[...]`, in built-in layers and in user-written
-  modules that call `jnp` directly), and gradients flow back through the cast,
-  so they come back in the params' dtype;
+- while the model runs, every float param reads as the running module's
+  compute dtype (`self.w.value`, `self.w[...]`, in built-in layers and in
+  user-written modules that call `jnp` directly), and gradients flow back
+  through the cast, so they come back in the params' dtype;
 - the model's float inputs are cast to the compute dtype and its float outputs
   to the output dtype;
 - modules whose class has an override (by default LayerNorm, RMSNorm,
@@ -52,7 +52,6 @@ class _Config(NamedTuple):
   """What a converted module applies; a static (hashable) module attribute."""
 
   policy: policy_lib.Policy
-  overrides: tuple[tuple[type, policy_lib.Policy, bool], ...]
   output_to_enclosing: bool  # defaults return to the enclosing compute dtype
   is_root: bool  # the module `wrap` was called on
 
@@ -229,10 +228,10 @@ def wrap(
     override = _find_override(node, table)
     if override is not None:
       _, sub_policy, to_enclosing = override
-      _convert(node, _Config(sub_policy, (), to_enclosing, False))
+      _convert(node, _Config(sub_policy, to_enclosing, False))
   if getattr(model, _CONFIG, None) is not None:
     object.__setattr__(model, _CONFIG, None)  # re-wrap with the new policy
-  _convert(model, _Config(policy, table, False, True))
+  _convert(model, _Config(policy, False, True))
   for param, owner in _param_policies(model).values():
     param.set_value(
       policy_lib.cast_floating(param.get_value(), owner.param_dtype)

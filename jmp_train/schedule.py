@@ -58,7 +58,16 @@ def _same_settings(a: ls_lib.LossScale, b: ls_lib.LossScale) -> bool:
   if type(a) is not type(b):
     return False
   if isinstance(a, ls_lib.DynamicLossScale):
-    return hash(a) == hash(b)
+    settings = (
+      "period",
+      "factor",
+      "min_loss_scale",
+      "backoff_factor",
+      "max_loss_scale",
+      "hysteresis",
+      "consecutive_hysteresis",
+    )
+    return all(getattr(a, k) == getattr(b, k) for k in settings)
   if isinstance(a, ls_lib.StaticLossScale):
     return float(a.loss_scale) == float(b.loss_scale)
   return True
@@ -156,6 +165,39 @@ def adjust_precision(
     lambda x: new_state if is_state(x) else x, opt_state, is_leaf=is_state
   )
   return new_params, new_opt_state
+
+
+def adjust_nnx_precision(
+  model: Any,
+  optimizer: Any,
+  preset: presets_lib.Preset | str,
+  *,
+  overrides: Mapping[type, Any] | None = None,
+) -> None:
+  """`adjust_precision` for Flax NNX: converts `model` and `optimizer` in place.
+
+  Re-wraps `model` under `preset.policy` (`jmp_train.nnx.wrap`, with
+  `overrides`), gives each param its float32 value in its new dtype, and
+  replaces `optimizer.opt_state` (an `nnx.Optimizer` over `mixed_precision`)
+  with the converted state; `optimizer.step` and its transformation are kept.
+  Call it between steps: a jitted step retraces once.
+  """
+  from flax import nnx as flax_nnx
+  from flax.nnx.training.optimizer import to_opt_state
+
+  from jmp_train import nnx as mp_nnx
+
+  preset = _as_preset(preset)
+  wrt = optimizer.wrt
+  params = flax_nnx.as_pure(flax_nnx.state(model, wrt))
+  opt_state = flax_nnx.as_pure(optimizer.opt_state)
+  mp_nnx.wrap(model, preset.policy, overrides)  # the new storage dtypes
+  dtypes = flax_nnx.as_pure(flax_nnx.state(model, wrt))
+  new_params, new_state = adjust_precision(
+    params, opt_state, preset, param_dtypes=dtypes
+  )
+  flax_nnx.update(model, new_params)
+  optimizer.opt_state = flax_nnx.data(to_opt_state(new_state))
 
 
 class PrecisionSchedule:

@@ -1,15 +1,34 @@
 """Shared test setup: 8 virtual CPU devices, jit/no-jit variants, jaxpr probes."""
 
 import os
+import shutil
+import tempfile
 
 # Must happen before jax initialises its backend.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session, shared by the xdist
+# workers and the child processes some tests start (they compile the same
+# steps); keyed by XLA on the program, flags and versions, so a hit is exact.
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR",
+  os.path.join(tempfile.gettempdir(), f"jmp_train_tests_{os.getpid()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session):
+  """The session's own compilation cache goes away with it (not a user's)."""
+  if hasattr(session.config, "workerinput"):
+    return  # an xdist worker: the controller cleans up
+  path = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  if path.endswith(f"jmp_train_tests_{os.getpid()}"):
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(params=["jit", "nojit"])

@@ -174,3 +174,56 @@ def test_bad_input_and_schedule():
     False,
     True,
   ]
+
+
+def test_nnx_model_and_optimizer_switch_in_place():
+  import flax.nnx as nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(4, 8, rngs=rngs)
+      self.norm = nnx.LayerNorm(8, rngs=rngs)
+      self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(nnx.relu(self.norm(self.dense(x))))
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4)), jnp.float32)
+  y = jnp.asarray(np.random.default_rng(1).standard_normal((8, 2)), jnp.float32)
+  bf16_true = jmp_train.get_preset("bf16-true")
+  model = jmp_train.nnx.wrap(Net(nnx.Rngs(0)), bf16_true.policy)
+  optimizer = nnx.Optimizer(
+    model, bf16_true.mixed_precision(optax.adam(1e-2)), wrt=nnx.Param
+  )
+
+  def step(model, optimizer):
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+
+  step = nnx.jit(step)
+  for _ in range(3):
+    step(model, optimizer)
+  before = jmp_train.transform._find_state(nnx.as_pure(optimizer.opt_state))
+  kernel_master = before.master_params["dense"]["kernel"]
+  assert model.dense.kernel.dtype == jnp.bfloat16
+
+  schedule.adjust_nnx_precision(model, optimizer, "fp32")
+  after = jmp_train.transform._find_state(nnx.as_pure(optimizer.opt_state))
+  assert model.dense.kernel.dtype == jnp.float32
+  np.testing.assert_array_equal(model.dense.kernel[...], kernel_master)
+  assert model.norm.scale.dtype == jnp.float32
+  for a, b in zip(
+    jax.tree.leaves(after.inner_state),
+    jax.tree.leaves(before.inner_state),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(a, b)
+  assert int(after.steps) == 3 and int(optimizer.step[...]) == 3
+  # Stepping on in fp32: the same tx, a new trace, params stay float32.
+  step(model, optimizer)
+  assert model.dense.kernel.dtype == jnp.float32
+  assert int(jmp_train.train_metrics(optimizer.opt_state)["steps"]) == 4
+  dots = jax.make_jaxpr(lambda s: nnx.merge(nnx.graphdef(model), s)(x))(
+    nnx.state(model)
+  )
+  assert "bf16" not in str(dots)

@@ -1,0 +1,95 @@
+"""The benchmarks run on tiny configs, and BENCHMARKS.md is the suite's output."""
+
+import json
+import pathlib
+import runpy
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load(relpath):
+  return runpy.run_path(str(ROOT / relpath), run_name="not_main")
+
+
+def test_benchmarks_md_is_the_suite_rendering_of_the_saved_results(tmp_path):
+  suite = load("benchmarks/suite.py")
+  out = tmp_path / "BENCHMARKS.md"
+  results = suite["main"](
+    [
+      "--render",
+      "--json-dir",
+      str(ROOT / "benchmarks" / "results"),
+      "--out",
+      str(out),
+    ]
+  )
+  assert out.read_text() == (ROOT / "BENCHMARKS.md").read_text()
+  for job in ("overhead-64", "overhead-1024", "compile", "zero1", "fp8", "gpt"):
+    assert job in results
+  page = out.read_text()
+  for heading in (
+    "Step-time overhead",
+    "Compile time",
+    "ZeRO-1",
+    "FP8",
+    "GPT-2",
+  ):
+    assert f"## {heading}" in page
+
+
+def test_overhead_benchmark_runs(capsys):
+  main = load("benchmarks/overhead.py")["main"]
+  result = main(
+    ["--dims", "16,32,4", "--batch", "8", "--steps", "3", "--warmup", "1"]
+  )
+  assert set(result["ratio_vs_plain"]) == {
+    "plain",
+    "skip-only",
+    "ours",
+    "jmp-style",
+  }
+  assert result["skipped_steps_ours"] == 0
+  assert "| ours |" in capsys.readouterr().out
+
+
+def test_fp8_benchmark_runs(capsys):
+  main = load("benchmarks/fp8.py")["main"]
+  result = main(["--matmul", "--sizes", "64", "--rounds", "2", "--warmup", "1"])
+  (row,) = result["matmul"]
+  assert row["n"] == 64 and row["bf16_ms"] > 0 and row["fp8_ms"] > 0
+  assert "| 64 |" in capsys.readouterr().out
+
+
+def test_compile_time_benchmark_runs_and_renders(tmp_path):
+  result = load("benchmarks/compile_time.py")["main"](
+    [
+      *("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8"),
+      *("--batch", "2", "--rounds", "1", "--json", str(tmp_path / "c.json")),
+      *("--only", "plain,hand-fp16,ours-fp16"),
+    ]
+  )
+  names = [r["step"] for r in result["rows"]]
+  assert names == ["plain", "hand-fp16", "ours-fp16"]
+  for row in result["rows"]:
+    assert row["compile_s"] > 0 and row["trace_lower_s"] > 0
+    assert (row["ratio_vs_hand"] is None) == (
+      not row["step"].startswith("ours")
+    )
+  saved = json.loads((tmp_path / "c.json").read_text())
+  section = "\n".join(
+    load("benchmarks/suite.py")["_compile"]({"compile": saved})
+  )
+  assert "| ours-fp16 |" in section and "Goal: at most 1.2x" in section
+
+
+def test_gpt2_benchmark_tiny_runs(capsys):
+  result = load("benchmarks/gpt2.py")["main"](
+    [
+      *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
+      *("--steps-per-round", "1", "--warmup", "1"),
+    ]
+  )
+  assert [r["step"] for r in result["rows"]] == ["plain", "bf16-mixed"]
+  for row in result["rows"]:
+    assert row["tokens_per_s"] > 0 and row["mfu"] is None  # CPU: no peak
+  assert "| bf16-mixed |" in capsys.readouterr().out
