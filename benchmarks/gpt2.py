@@ -4,6 +4,11 @@ Rows, timed side by side in one process (rotated order, median per round):
 
 - plain:      the unwrapped float32 model, a hand-written `jax.grad` +
   `optax.adamw` + `optax.apply_updates` step.
+- hand-bf16:  the same step written by hand the way bf16-mixed training is
+  done without jmp_train: float32 params cast to bfloat16 inside the loss
+  (every matmul in bf16, LayerNorm statistics in float32 as flax computes
+  them), loss in float32, no skip.
+  bf16-mixed's twin: the ratio between the two is what the wrapper costs.
 - fp32, bf16-mixed, bf16-fp8-mixed (or `--presets`): the model under
   `linen.wrap(model, preset.policy, fp8=preset.fp8)` and
   `preset.mixed_precision(optax.adamw)`, stepped by
@@ -46,6 +51,14 @@ PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--presets", default="fp32,bf16-mixed,bf16-fp8-mixed")
+  p.add_argument(
+    "--twins", default="hand-bf16", help="hand-written rows besides plain"
+  )
+  p.add_argument(
+    "--no-plain",
+    action="store_true",
+    help="leave out the float32 row (ratios are then vs the first row)",
+  )
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--steps-per-round", type=int, default=5)
@@ -97,7 +110,27 @@ def main(argv=None):
     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
   params = init_params(base)["params"]
-  steps["plain"] = (plain_step, (params, adamw.init(params)))
+  if not args.no_plain:
+    steps["plain"] = (plain_step, (params, adamw.init(params)))
+
+  # hand-bf16: every param cast to bf16 in the loss (LayerNorm's too: flax's
+  # LayerNorm still reduces in float32; with float32 scale and bias it would
+  # return float32 and every matmul after it would promote to float32).
+  def to_bf16(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+
+  @jax.jit
+  def hand_bf16_step(params, opt_state, batch):
+    def loss_fn(p):
+      logits = base.apply({"params": to_bf16(p)}, batch[:, :-1])
+      return loss_of(logits, batch[:, 1:])
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = adamw.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  if "hand-bf16" in args.twins.split(","):
+    steps["hand-bf16"] = (hand_bf16_step, (params, adamw.init(params)))
   n_params = sum(x.size for x in jax.tree.leaves(params))
   n_flops = n_params - params["pos"].size
 
@@ -151,7 +184,7 @@ def main(argv=None):
         "tokens_per_s": round(tokens_per_step / sec),
         "tflops": round(achieved / 1e12, 2),
         "mfu": round(achieved / peak, 4) if peak else None,
-        "ratio_vs_plain": round(sec / statistics.median(times["plain"]), 4),
+        "ratio_vs_plain": round(sec / statistics.median(times[names[0]]), 4),
       }
     )
   result = {
@@ -162,6 +195,7 @@ def main(argv=None):
     "device": f"{kind}, {platform.machine()}",
     "peak_bf16_tflops": peak / 1e12 if peak else None,
     "rows": rows,
+    "ratios_vs": names[0],
     "jax": jax.__version__,
   }
   print(f"{result['model']}, batch {args.batch}x{seq} on {result['device']}")

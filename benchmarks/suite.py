@@ -8,9 +8,15 @@ Each benchmark runs in its own process (a clean JAX, 8 virtual CPU devices
 only where the benchmark asks for them) and writes JSON to --json-dir
 (benchmarks/results/, committed: the data behind the page); this script then
 renders the markdown. `--render` with the committed results reproduces
-BENCHMARKS.md byte for byte (a test checks it). GPU-only rows (GPT-2 small MFU, FP8 matmul
-speed) run when the first device is a GPU and are marked "not measured"
-otherwise.
+BENCHMARKS.md byte for byte (a test checks it).
+
+On a machine whose first device is a GPU the suite runs the GPU jobs instead
+(GPT-2 small MFU, FP8 matmul speed, step overhead) and saves their machine as
+environment-gpu.json; the page renders both machines' results side by side:
+
+  python benchmarks/suite.py                            # CPU machine
+  python benchmarks/suite.py                            # then on a GPU machine
+  python benchmarks/suite.py --render                   # the page from both
 """
 
 import argparse
@@ -29,10 +35,48 @@ GPT_PRESETS = "fp32,bf16-mixed,fp16-mixed"
 
 
 def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
-  """name -> script and arguments (without --json)."""
+  """name -> script and arguments (without --json).
+
+  On a GPU machine only the GPU jobs run (their results sit beside the CPU
+  ones in --json-dir and the page shows both machines).
+  """
+  if gpu:
+    if quick:
+      return {
+        "gpt2": ["benchmarks/gpt2.py", "--tiny", "--rounds", "1"],
+        "fp8-matmul": ["benchmarks/fp8.py", "--matmul", "--sizes", "256"],
+        "overhead-gpu": [
+          "benchmarks/overhead.py",
+          *("--batch", "256", "--steps", "3"),
+        ],
+      }
+    return {
+      "gpt2": ["benchmarks/gpt2.py"],
+      "gpt2-b32": [
+        "benchmarks/gpt2.py",
+        *("--no-plain", "--presets", "bf16-mixed", "--batch", "32"),
+        *("--rounds", "3"),
+      ],
+      "fp8-matmul": [
+        "benchmarks/fp8.py",
+        *("--matmul", "--sizes", "4096,8192", "--rounds", "10"),
+      ],
+      "overhead-gpu": [
+        "benchmarks/overhead.py",
+        *("--batch", "16384", "--steps", "100"),
+      ],
+      "overhead-gpu-update": [
+        "benchmarks/overhead.py",
+        *("--update-only", "--steps", "100"),
+      ],
+      "overhead-gpu-study": [
+        "benchmarks/overhead.py",
+        *("--study", "--batch", "16384", "--steps", "100"),
+      ],
+    }
   if quick:
     mlp = ["--dims", "16,32,4", "--steps", "3", "--warmup", "1"]
-    out = {
+    return {
       "overhead-64": ["benchmarks/overhead.py", *mlp, "--batch", "8"],
       "overhead-update": ["benchmarks/overhead.py", *mlp, "--update-only"],
       "overhead-study": ["benchmarks/overhead.py", *mlp, "--study"],
@@ -52,12 +96,8 @@ def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
         *("--d-model", "32", "--seq-len", "16", "--eval-every", "3"),
         *("--text-bytes", "100000"),
       ],
-      "gpt2": ["benchmarks/gpt2.py", "--tiny", "--rounds", "1", "--batch", "2"],
     }
-    if gpu:
-      out["fp8-matmul"] = ["benchmarks/fp8.py", "--matmul", "--sizes", "256"]
-    return out
-  out = {
+  return {
     "overhead-64": ["benchmarks/overhead.py", "--batch", "64", "--steps", "40"],
     "overhead-256": [
       "benchmarks/overhead.py",
@@ -80,13 +120,6 @@ def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
     "fp8": ["benchmarks/fp8.py", "--accuracy"],
     "gpt": ["examples/gpt.py", "--compare", GPT_PRESETS],
   }
-  if gpu:
-    out["fp8-matmul"] = [
-      "benchmarks/fp8.py",
-      *("--matmul", "--sizes", "4096,8192"),
-    ]
-    out["gpt2"] = ["benchmarks/gpt2.py"]
-  return out
 
 
 def run_job(name, argv, json_dir: pathlib.Path) -> float:
@@ -98,10 +131,12 @@ def run_job(name, argv, json_dir: pathlib.Path) -> float:
     extra = ["--json", str(out)]
   print(f"== {name}: {' '.join(argv + extra)}", flush=True)
   t0 = time.perf_counter()
-  subprocess.run(
-    [sys.executable, *argv, *extra], cwd=ROOT, check=True, env=os.environ
+  done = subprocess.run(
+    [sys.executable, *argv, *extra], cwd=ROOT, env=os.environ
   )
   seconds = time.perf_counter() - t0
+  if done.returncode:
+    raise RuntimeError(f"{name} failed (exit {done.returncode})")
   if argv[0] == "examples/gpt.py":
     runs = [
       json.loads(
@@ -153,7 +188,7 @@ def _verdict(ok: bool) -> str:
   return "**met**" if ok else "**not met**"
 
 
-def render(results: dict, env: dict, quick: bool) -> str:
+def render(results: dict, env: dict, gpu_env: dict | None, quick: bool) -> str:
   """The whole BENCHMARKS.md from the JSON results."""
   r = results
   lines = [
@@ -169,11 +204,21 @@ def render(results: dict, env: dict, quick: bool) -> str:
     " rotated order, median of the rounds: absolute times drift on shared"
     " machines; the ratios are what to compare.",
     "",
-    f"Machine: {env['cpu']}; GPU: {env['gpu'] or 'none lent'}; jax"
+    f"CPU machine (every section unless it says GPU): {env['cpu']}; jax"
     f" {env['jax']}, flax {env['flax']}, optax {env['optax']}, Python"
     f" {env['python']}; {env['date']}.",
     "",
   ]
+  if gpu_env:
+    lines += [
+      f"GPU machine: {gpu_env['gpu']} ({gpu_env['cpu']}); jax"
+      f" {gpu_env['jax']}, flax {gpu_env['flax']}, optax {gpu_env['optax']},"
+      f" Python {gpu_env['python']}; {gpu_env['date']}."
+      + (f" {gpu_env['note']}" if gpu_env.get("note") else ""),
+      "",
+    ]
+  else:
+    lines += ["GPU machine: none lent to the run that made these results.", ""]
   if quick:
     lines += [
       "**Quick run (`--quick`): tiny configurations that check the pipeline;"
@@ -185,7 +230,7 @@ def render(results: dict, env: dict, quick: bool) -> str:
   lines += _zero1(r)
   lines += _fp8(r)
   lines += _gpt(r)
-  lines += _gpt2(r, env)
+  lines += _gpt2(r, gpu_env)
   lines += _torch_crosscheck()
   return "\n".join(lines) + "\n"
 
@@ -266,9 +311,8 @@ def _overhead(r) -> list[str]:
     " since it rereads and rewrites the state. The gap is a roughly constant"
     " few ms per step, so its ratio shrinks as compute grows. Any exact skip"
     " pays it (jmp, `optax.apply_if_finite`, torch's"
-    " `if not found_inf: optimizer.step()`). On a GPU, XLA runs one stream"
-    " and the barrier should cost nothing; that is an expectation until a"
-    " GPU row exists.",
+    " `if not found_inf: optimizer.step()`). On a GPU the barrier costs"
+    " nothing (below).",
     "",
   ]
   for key in ("overhead-1024", "overhead-256", "overhead-64"):
@@ -280,6 +324,70 @@ def _overhead(r) -> list[str]:
         "",
       ]
       break
+  return out + _overhead_gpu(r)
+
+
+def _overhead_gpu(r) -> list[str]:
+  if "overhead-gpu" not in r:
+    return []
+  rows = []
+  for key in ("overhead-gpu", "overhead-gpu-update", "overhead-gpu-study"):
+    if key not in r:
+      continue
+    x = r[key]
+    m, q = x["median_ms"], x["ratio_vs_plain"]
+    label = (
+      "optimizer update only"
+      if x["what"].startswith("optimizer")
+      else f"full step, batch {x['batch']}"
+    )
+    extra = ""
+    if "tiny-cond" in m:
+      label += " (`--study`)"
+      extra = (
+        f" tiny-cond {m['tiny-cond']:.3f} ({_x(q['tiny-cond'])}),"
+        f" select-skip {m['select-skip']:.3f} ({_x(q['select-skip'])})"
+      )
+    rows.append(
+      f"| {label} | {m['plain']:.3f} | {m['skip-only']:.3f}"
+      f" ({_x(q['skip-only'])}) | **{m['ours']:.3f} ({_x(q['ours'])})** |"
+      f" {m['jmp-style']:.3f} ({_x(q['jmp-style'])}) |{extra} |"
+    )
+  full, upd = r["overhead-gpu"], r.get("overhead-gpu-update")
+  extra_ms = full["median_ms"]["ours"] - full["median_ms"]["plain"]
+  out = [
+    "### On a GPU",
+    "",
+    f"The same steps on {full['device'].split(',')[0]} (`benchmarks/overhead.py"
+    f" --batch {full['batch']} --steps {full['rounds']}`, `--update-only`,"
+    " `--study`): the same MLP, a batch large enough that a step takes"
+    " milliseconds.",
+    "",
+    "| step (median ms, ratio vs plain) | plain | skip-only | **ours** |"
+    " jmp-style | study rows |",
+    "|---|---|---|---|---|---|",
+    *rows,
+    "",
+    "Here a skip costs nothing (skip-only, tiny-cond and select-skip are within"
+    " 1% of plain), but ours is"
+    f" {_x(full['ratio_vs_plain']['ours'])} of plain in the full step, about"
+    f" {1e3 * extra_ms:.0f} us per step"
+    + (
+      f", and {_x(upd['ratio_vs_plain']['ours'])} in the update alone"
+      if upd
+      else ""
+    )
+    + ". Beyond jmp-style, ours computes the grad norm (one reduction that"
+    " also decides finiteness), writes its updates out for"
+    " `optax.apply_updates` (an optax transformation cannot fuse the update"
+    " into the params) and keeps more counters; which of these makes the"
+    " difference on a GPU has not been profiled yet. It is a fixed cost per"
+    " step: on GPT-2 small it vanishes, bf16-mixed running at the speed of"
+    " the hand-written bf16 step (last section). Verdict, GPU, this MLP:"
+    f" {_x(full['ratio_vs_plain']['ours'])}, goal"
+    f" {_verdict(full['ratio_vs_plain']['ours'] <= 1.02)}.",
+    "",
+  ]
   return out
 
 
@@ -436,6 +544,18 @@ def _fp8(r) -> list[str]:
       ),
       "",
     ]
+    big = max(m["matmul"], key=lambda x: x["n"])
+    out += [
+      "The backward pass pulls back a random cotangent, so all three matmuls"
+      " run; FLOPs count 3 x 2n^3. Goal (issue 4): fp8 >= 1.3x bf16 at the"
+      f" largest size: {big['speedup_fp8_over_bf16']:.2f}x at n ="
+      f" {big['n']}, {_verdict(big['speedup_fp8_over_bf16'] >= 1.3)}. The"
+      " FP8 path adds per-call passes that bf16 does not have (amax"
+      " reductions of both operands and of the output gradient, the scaled"
+      " casts to E4M3/E5M2), which are memory-bound and weigh more at smaller"
+      " n.",
+      "",
+    ]
   else:
     out += [
       "**Matmul speed**: not measured, no GPU was lent to this run (goal:"
@@ -479,7 +599,7 @@ def _gpt(r) -> list[str]:
 
 def _gpt2(r, env) -> list[str]:
   head = ["## GPT-2 small (124M) on a GPU: steps/s and MFU", ""]
-  if "gpt2" not in r or not env["gpu"]:
+  if "gpt2" not in r or not env:
     return head + [
       "Not measured: no GPU was lent to this run. The suite runs"
       " `benchmarks/gpt2.py` (GPT-2 small, batch 16 x 1024, plain optax fp32"
@@ -488,31 +608,61 @@ def _gpt2(r, env) -> list[str]:
       "",
     ]
   g = r["gpt2"]
-  rows = [
-    f"| {x['step']} | {x['ms']:.1f} | {x['steps_per_s']:.2f} |"
-    f" {x['tokens_per_s']:,} | {x['tflops']:.1f} |"
-    f" {100 * x['mfu']:.1f}% | {_x(x['ratio_vs_plain'])} |"
-    for x in g["rows"]
-  ]
-  bf16 = [x for x in g["rows"] if x["step"] == "bf16-mixed"]
-  verdict = []
-  if bf16 and bf16[0]["mfu"] is not None:
-    verdict = [
-      f"Goal (bf16-mixed >= 45% MFU): {100 * bf16[0]['mfu']:.1f}%,"
-      f" {_verdict(bf16[0]['mfu'] >= 0.45)}.",
-      "",
-    ]
-  return head + [
-    f"Command: `benchmarks/gpt2.py`. {g['model']}, batch {g['batch']}, on"
-    f" {g['device']}. MFU: nanoGPT's 6N + 12LdT FLOPs per token over the dense"
-    f" bf16 peak ({g['peak_bf16_tflops']} TFLOP/s) for every row.",
+
+  def row(x, batch):
+    return (
+      f"| {x['step']} | {batch} | {x['ms']:.1f} | {x['steps_per_s']:.2f} |"
+      f" {x['tokens_per_s']:,} | {x['tflops']:.1f} |"
+      f" {100 * x['mfu']:.1f}% | {_x(x['ratio_vs_plain'])} |"
+    )
+
+  rows = [row(x, g["batch"]) for x in g["rows"]]
+  by_name = {x["step"]: x for x in g["rows"]}
+  out = head + [
+    f"Command: `benchmarks/gpt2.py`. {g['model']}, on {g['device']}. MFU:"
+    " nanoGPT's 6N + 12LdT FLOPs per token over the dense bf16 peak"
+    f" ({g['peak_bf16_tflops']} TFLOP/s) for every row. `plain` is a"
+    " hand-written float32 `optax.adamw` step; `hand-bf16` the same step with"
+    " every param cast to bfloat16 inside the loss (bf16-mixed's twin,"
+    " without skipping). Attention is cuDNN's flash attention for bf16"
+    " (`jax.nn.dot_product_attention(implementation='cudnn')`) and XLA's for"
+    " float32 (TF32 matmuls).",
     "",
-    "| step | ms/step | steps/s | tokens/s | TFLOP/s | MFU | vs plain |",
-    "|---|---|---|---|---|---|---|",
+    "| step | batch | ms/step | steps/s | tokens/s | TFLOP/s | MFU | vs the"
+    " batch's first row |",
+    "|---|---|---|---|---|---|---|---|",
     *rows,
-    "",
-    *verdict,
   ]
+  if "gpt2-b32" in r:
+    b = r["gpt2-b32"]
+    out += [row(x, b["batch"]) for x in b["rows"]]
+  out.append("")
+  if "bf16-mixed" in by_name:
+    mixed = by_name["bf16-mixed"]
+    verdict = (
+      f"Goal (bf16-mixed >= 45% MFU): {100 * mixed['mfu']:.1f}%,"
+      f" {_verdict(mixed['mfu'] >= 0.45)}."
+    )
+    if "hand-bf16" in by_name:
+      hand = by_name["hand-bf16"]
+      verdict += (
+        f" The wrappers cost nothing here: bf16-mixed takes"
+        f" {_x(mixed['ms'] / hand['ms'])} the time of the hand-written bf16"
+        " step, so the gap to 45% is the model and XLA's kernels, not"
+        " jmp_train: the step is a few large matmuls at d_model 768 plus"
+        " memory-bound work (LayerNorms, GELU, residual adds, the 50304-way"
+        " float32 cross-entropy and its gradient, AdamW over 124M params)."
+      )
+    if "bf16-fp8-mixed" in by_name:
+      f8 = by_name["bf16-fp8-mixed"]
+      verdict += (
+        f" FP8 is slower at this size ({_x(f8['ms'] / mixed['ms'])} the"
+        " bf16-mixed step): its matmuls (768 x 2304 and smaller) are too"
+        " small for FP8 tensor cores to outweigh the amax and cast passes"
+        " (see the matmul table above)."
+      )
+    out += [verdict, ""]
+  return out
 
 
 def _torch_crosscheck() -> list[str]:
@@ -552,25 +702,33 @@ def main(argv=None):
   todo = jobs(args.quick, gpu is not None)
   if args.only:
     todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
+  failed = []
   if not args.render:
     for name, argv_ in todo.items():
-      seconds = run_job(name, argv_, json_dir)
+      try:
+        seconds = run_job(name, argv_, json_dir)
+      except RuntimeError as e:  # the other jobs still run and render
+        print(f"== {e}", flush=True)
+        failed.append(name)
+        continue
       print(f"== {name}: {seconds:.1f}s", flush=True)
   results = {
     path.stem: json.loads(path.read_text())
     for path in sorted(json_dir.glob("*.json"))
   }
-  env_path = json_dir / "environment.json"
+  env_name = "environment-gpu.json" if gpu else "environment.json"
   if not args.render:
-    env_path.write_text(json.dumps(environment(gpu), indent=1))
-  env = json.loads(env_path.read_text())
-  results.pop("environment", None)
-  page = render(results, env, args.quick)
+    (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))
+  env = results.pop("environment", None) or environment(None)
+  gpu_env = results.pop("environment-gpu", None)
+  page = render(results, env, gpu_env, args.quick)
   pathlib.Path(args.out).write_text(page)
   chart = ROOT / "runs" / "bench-gpt" / "gpt-compare" / "curves.png"
   if not (args.quick or args.render) and chart.exists() and "gpt" in todo:
     shutil.copy(chart, ROOT / "docs" / "gpt-compare.png")
   print(f"wrote {args.out}")
+  if failed:
+    raise SystemExit(f"failed: {', '.join(failed)}")
   return results
 
 

@@ -8,7 +8,7 @@
 
 The text is the .py files next to the `os` module (Python's own library), read
 as ASCII: it exists on every machine with Python, so nothing is downloaded.
-Writes runs/gpt-<preset>/metrics.json and curves.png (with --compare:
+Writes runs/gpt-<preset>/metrics-<preset>.json and curves.png (with --compare:
 runs/gpt-compare/, one metrics file per preset and one chart).
 
 The model is a pre-norm transformer with causal self-attention whose softmax
@@ -118,7 +118,15 @@ class CausalSelfAttention(nn.Module):
     qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.fused:  # the kernels keep softmax statistics in float32
-      y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      # cuDNN flash attention takes bf16/fp16 on GPUs; JAX's default (None)
+      # is its XLA implementation, which materializes the T x T scores.
+      cudnn = jax.default_backend() == "gpu" and q.dtype in (
+        jnp.bfloat16,
+        jnp.float16,
+      )
+      y = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn" if cudnn else None
+      )
       return nn.Dense(d, name="proj")(y.reshape(batch, seq, d))
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))
@@ -174,7 +182,7 @@ def cross_entropy(logits, targets):
 
 
 def train(args, preset_name, text, out_dir):
-  """One run; returns its summary (also written to out_dir/metrics.json)."""
+  """One run; returns its summary (also in out_dir/metrics-<preset>.json)."""
   preset = jmp_train.get_preset(preset_name)
   loss_scale = preset.loss_scale
   if isinstance(loss_scale, jmp_train.DynamicLossScale):

@@ -82,7 +82,8 @@ class MixedPrecisionState(NamedTuple):
     steps: number of `update` calls.
     skipped_steps: number of updates skipped for non-finite gradients.
     last_step_finite: whether the last step's gradients were all finite.
-    grad_norm: global L2 norm of the last step's unscaled gradients.
+    grad_norm: global L2 norm of the last step's unscaled gradients (NaN
+      when they were not all finite).
     skip_streak: number of consecutive skipped steps up to the last one (0
       after a finite step); `jmp_train.monitor.loss_scale_alarms` reads it.
   """
@@ -233,8 +234,7 @@ def mixed_precision(
       return jnp.asarray(g).astype(_full_dtype(p.dtype))
 
     grads_full = scaler.unscale(jax.tree.map(to_full, grads, params))
-    sq_norm = optax.tree.norm(grads_full, squared=True).astype(jnp.float32)
-    finite = _all_finite_given_sq_norm(grads_full, sq_norm)
+    sq_norm, finite = _sq_norm_and_finite(grads_full)
 
     def apply_inner(operand):
       grads_full, inner_state, masters, params = operand
@@ -314,16 +314,26 @@ def mixed_precision(
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _all_finite_given_sq_norm(grads: Any, sq_norm: jax.Array) -> jax.Array:
-  """Whether all grads are finite, reusing their squared norm's reduction.
+def _sq_norm_and_finite(grads: Any) -> tuple[jax.Array, jax.Array]:
+  """The grads' squared L2 norm (float32) and whether all of them are finite.
 
-  A finite sum of squares implies finite grads; a non-finite one comes from a
-  non-finite grad or from squares overflowing float32, which only the exact
-  (slower) check tells apart, so it runs only then.
+  One plain reduction per leaf gives both: each non-finite entry adds NaN
+  instead of its square, so the sum is NaN exactly when some gradient is
+  not finite. Finite squares are >= 0 and can only sum to +inf (huge finite
+  grads whose squares overflow float32 are still finite and applied). So
+  there is no second pass over the grads and no conditional besides the
+  skip's own. On a non-finite step the returned norm is NaN.
   """
-  return jax.lax.cond(
-    jnp.isfinite(sq_norm), lambda _: jnp.array(True), ls_lib.all_finite, grads
-  )
+  leaves = jax.tree.leaves(grads)
+  if not leaves:
+    return jnp.zeros([], jnp.float32), jnp.array(True)
+
+  def sq_sum(g):
+    g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    return jnp.sum(jnp.where(jnp.isfinite(g), jnp.square(g), jnp.nan))
+
+  total = sum(sq_sum(g).astype(jnp.float32) for g in leaves)
+  return total, ~jnp.isnan(total)
 
 
 def _skip_updates(params: optax.Params) -> optax.Params:

@@ -37,6 +37,30 @@ def test_benchmarks_md_is_the_suite_rendering_of_the_saved_results(tmp_path):
     assert f"## {heading}" in page
 
 
+def test_gpu_results_render_beside_cpu_ones():
+  suite = load("benchmarks/suite.py")
+  results = {
+    p.stem: json.loads(p.read_text())
+    for p in (ROOT / "benchmarks" / "results").glob("*.json")
+  }
+  env = results.pop("environment")
+  gpu_env = results.pop("environment-gpu", None) or dict(
+    env, gpu="H100", note=""
+  )
+  gpu_jobs = set(suite["jobs"](False, True))
+  assert gpu_jobs.isdisjoint(suite["jobs"](False, False))
+  cpu_only = {k: v for k, v in results.items() if k not in gpu_jobs}
+  without = suite["render"](cpu_only, env, None, False)
+  assert "none lent" in without and "### On a GPU" not in without
+  if not gpu_jobs <= set(results):
+    return  # no GPU results saved: the rest needs them
+  page = suite["render"](results, env, gpu_env, False)
+  assert "### On a GPU" in page and "GPU machine: " + gpu_env["gpu"] in page
+  (mixed,) = [r for r in results["gpt2"]["rows"] if r["step"] == "bf16-mixed"]
+  mfu = mixed["mfu"]
+  assert f"{100 * mfu:.1f}%" in page
+
+
 def test_overhead_benchmark_runs(capsys):
   main = load("benchmarks/overhead.py")["main"]
   result = main(
@@ -89,7 +113,11 @@ def test_gpt2_benchmark_tiny_runs(capsys):
       *("--steps-per-round", "1", "--warmup", "1"),
     ]
   )
-  assert [r["step"] for r in result["rows"]] == ["plain", "bf16-mixed"]
+  assert [r["step"] for r in result["rows"]] == [
+    "plain",
+    "hand-bf16",
+    "bf16-mixed",
+  ]
   for row in result["rows"]:
     assert row["tokens_per_s"] > 0 and row["mfu"] is None  # CPU: no peak
   assert "| bf16-mixed |" in capsys.readouterr().out

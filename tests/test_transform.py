@@ -535,8 +535,8 @@ def test_bad_input_raises_clear_errors():
 
 
 def test_huge_finite_grads_are_applied_not_skipped(variant):
-  # Their squares overflow float32, so the fast check (a finite squared norm)
-  # fails and the exact check must decide: finite, so the step is applied.
+  # Their squares overflow float32 (the squared norm is +inf), yet they are
+  # finite, so the step is applied; only a non-finite entry (NaN) skips it.
   params = {"w": jnp.zeros(3), "b": jnp.zeros(2, jnp.bfloat16)}
   tx = jmp_train.mixed_precision(optax.sgd(1.0))
   grads = {"w": jnp.array([1e20, -3e30, 1.0]), "b": jnp.ones(2, jnp.bfloat16)}
@@ -547,3 +547,24 @@ def test_huge_finite_grads_are_applied_not_skipped(variant):
   grads["w"] = jnp.array([1e20, -np.inf, 1.0])
   _, state = variant(tx.update)(grads, tx.init(params), params)
   assert not bool(state.last_step_finite) and int(state.skipped_steps) == 1
+  assert np.isnan(float(state.grad_norm))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", ["w", "b"])
+def test_one_non_finite_entry_anywhere_skips(bad, where):
+  # float32 and bfloat16 leaves; one bad entry among finite ones, which are
+  # large enough that their squares alone sum to +inf in float32.
+  params = {"w": jnp.zeros(4), "b": jnp.zeros(3, jnp.bfloat16)}
+  tx = jmp_train.mixed_precision(optax.sgd(1.0))
+  grads = {
+    "w": jnp.array([3e19, 3e19, 1.0, 0.0]),
+    "b": jnp.array([1e30, 0.0, -2.0], jnp.bfloat16),
+  }
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert bool(state.last_step_finite)
+  grads[where] = grads[where].at[2].set(bad)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert not bool(state.last_step_finite) and int(state.skipped_steps) == 1
+  for u in jax.tree.leaves(updates):  # -0.0 everywhere: params unchanged
+    assert np.all(np.asarray(u, np.float32) == 0) and np.all(np.signbit(u))
