@@ -139,9 +139,7 @@ def run_job(name, argv, json_dir: pathlib.Path) -> float:
     raise RuntimeError(f"{name} failed (exit {done.returncode})")
   if argv[0] == "examples/gpt.py":
     runs = [
-      json.loads(
-        (json_dir / name / "gpt-compare" / f"metrics-{p}.json").read_text()
-      )
+      json.loads((gpt_dir / "gpt-compare" / f"metrics-{p}.json").read_text())
       for p in GPT_PRESETS.split(",")
     ]
     for run in runs:

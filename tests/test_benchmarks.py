@@ -121,3 +121,34 @@ def test_gpt2_benchmark_tiny_runs(capsys):
   for row in result["rows"]:
     assert row["tokens_per_s"] > 0 and row["mfu"] is None  # CPU: no peak
   assert "| bf16-mixed |" in capsys.readouterr().out
+
+
+def test_suite_collects_the_gpt_example_metrics(tmp_path, monkeypatch):
+  # The GPT job writes its own metrics files under --out; the suite must find
+  # them there and save one JSON without the per-step history.
+  suite = load("benchmarks/suite.py")
+  calls = []
+
+  class FakeSubprocess:
+    @staticmethod
+    def run(cmd, **kwargs):
+      calls.append(cmd)
+      out = pathlib.Path(cmd[cmd.index("--out") + 1]) / "gpt-compare"
+      out.mkdir(parents=True, exist_ok=True)
+      for preset in suite["GPT_PRESETS"].split(","):
+        metrics = {"preset": preset, "history": [1, 2], "final_val_loss": 1.9}
+        (out / f"metrics-{preset}.json").write_text(json.dumps(metrics))
+      return type("Done", (), {"returncode": 0})()
+
+  monkeypatch.setitem(
+    suite["run_job"].__globals__, "subprocess", FakeSubprocess
+  )
+  monkeypatch.setitem(suite["run_job"].__globals__, "ROOT", tmp_path)
+  suite["run_job"]("gpt", ["examples/gpt.py", "--compare", "x"], tmp_path)
+  saved = json.loads((tmp_path / "gpt.json").read_text())
+  assert [r["preset"] for r in saved["runs"]] == suite["GPT_PRESETS"].split(",")
+  assert all("history" not in r for r in saved["runs"])
+  assert calls and calls[0][-2:] == [
+    "--out",
+    str(tmp_path / "runs" / "bench-gpt"),
+  ]
