@@ -52,9 +52,6 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--presets", default="fp32,bf16-mixed,bf16-fp8-mixed")
   p.add_argument(
-    "--twins", default="hand-bf16", help="hand-written rows besides plain"
-  )
-  p.add_argument(
     "--no-plain",
     action="store_true",
     help="leave out the float32 row (ratios are then vs the first row)",
@@ -129,8 +126,7 @@ def main(argv=None):
     updates, opt_state = adamw.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
-  if "hand-bf16" in args.twins.split(","):
-    steps["hand-bf16"] = (hand_bf16_step, (params, adamw.init(params)))
+  steps["hand-bf16"] = (hand_bf16_step, (params, adamw.init(params)))
   n_params = sum(x.size for x in jax.tree.leaves(params))
   n_flops = n_params - params["pos"].size
 
