@@ -61,7 +61,6 @@ def main():
     (2.0**16, 2.0, 0.5, 2000),
     (2.0**16, 2.0, 0.5, 5),
     (2.0**10, 4.0, 0.25, 3),
-    (2.0**127, 2.0, 0.5, 1),
   ]
   print("| sequence | init, growth, backoff, interval | steps | equal |")
   print("|---|---|---|---|")

@@ -677,10 +677,13 @@ def _torch_crosscheck() -> list[str]:
     "",
     "`python benchmarks/crosscheck_torch.py` needs torch, which is not a"
     " dependency; it drives the real `torch.amp.GradScaler('cpu')` with an"
-    " inf injected on scripted steps (4 overflow sequences x 4 settings, 300"
-    " steps each). Last run (torch 2.13.0 CPU, 2026-11-21): all 16 scale"
+    " inf injected on scripted steps (4 overflow sequences x 3 settings, 300"
+    " steps each). Last run (torch 2.13.0 CPU, 2026-11-23): all 12 scale"
     " trajectories equal ours (`hysteresis=1`, `min_scale=2^-126`) bit for"
-    " bit. The test suite checks the same rule against a NumPy transcription"
+    " bit. Where they must differ the script does not go: ours stops growing"
+    " at 2^126 (whose reciprocal is still a normal float32) where torch"
+    " grows to 2^127. The test suite checks the same rule against a NumPy"
+    " transcription"
     " of torch's `_amp_update_scale_` kernel and against Megatron-LM's"
     " `DynamicGradScaler.update` (`tests/test_loss_scale.py`).",
   ]

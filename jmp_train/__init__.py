@@ -22,6 +22,7 @@ from jmp_train.policy import Policy as Policy
 from jmp_train.policy import cast_floating as cast_floating
 from jmp_train.policy import cast_to_full as cast_to_full
 from jmp_train.policy import cast_to_half as cast_to_half
+from jmp_train.policy import dtype_to_names as dtype_to_names
 from jmp_train.policy import get_policy as get_policy
 from jmp_train.policy import half_dtype as half_dtype
 from jmp_train.presets import PRESETS as PRESETS

@@ -3,10 +3,19 @@
 A drop-in superset of jmp 0.0.4's loss scales. Each loss scale is a pytree
 whose settings are static fields (plain Python numbers in the tree
 definition), so they survive flattening, `jax.jit`, `lax.scan` and
-checkpoints; the evolving values (scale, growth counter, hysteresis budget)
-are leaves. Unlike jmp, `min_loss_scale` is not lost under jit, integer
-scales are rejected up front instead of crashing `adjust`, and the scale is
-never allowed to grow to infinity.
+checkpoints; the evolving values (scale, growth counter and, with
+`hysteresis > 1`, the hysteresis budget) are leaves.
+
+The scale is always a normal float32 whose reciprocal is normal too: it lies
+in [2**-126, 2**126]. Above 2**126, `1 / scale` is subnormal and XLA flushes
+it to 0, so every unscaled gradient would be 0; below 2**-126 the scale itself
+is subnormal or 0. Settings and concrete scales outside that range are refused
+when a loss scale is built, and the dynamic scale's growth is capped (and its
+backoff floored) so it never leaves the range.
+
+Validation happens when a user builds a loss scale, never when JAX rebuilds
+one from its leaves (unflattening bypasses `__init__`), so tracers, shardings
+and `None` placeholders pass through `jax.tree.map`, jit and checkpoints.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
+import warnings
 from typing import Any, TypeVar
 
 import jax
@@ -22,9 +33,28 @@ import numpy as np
 
 T = TypeVar("T")
 
+# The scale's range: a normal float32 whose reciprocal is a normal float32.
+MIN_LOSS_SCALE = 2.0**-126
+MAX_LOSS_SCALE = 2.0**126
+_RANGE = "[2**-126, 2**126]"
+_WHY_RANGE = (
+  "about 1.2e-38 to 8.5e37: the scale and 1/scale must both be normal "
+  "float32s, since XLA flushes subnormals to 0"
+)
+_INT32_MAX = 2**31 - 1
 
-def _is_float_array(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+class _NotBooleanScalarError(ValueError, AssertionError):
+  """A predicate that is not a boolean scalar.
+
+  A ValueError, and an AssertionError as jmp raises (`assert ...,
+  "expected boolean scalar"`), so code catching either keeps working.
+  """
+
+
+def _is_inexact_array(x: Any) -> bool:
+  """A floating or complex array: what a gradient can be (jmp scales all)."""
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _reciprocal(scale: Any) -> Any:
@@ -32,73 +62,223 @@ def _reciprocal(scale: Any) -> Any:
 
   Multiplying by the reciprocal is what XLA does with a division by a
   constant anyway; writing it out keeps jit and eager results identical. For
-  the power-of-two scales of dynamic scaling it is exact.
+  the power-of-two scales of dynamic scaling it is exact, and for any scale
+  in [2**-126, 2**126] it is a normal float32 (never flushed to 0).
   """
   return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
 
 
 def _scale_leaves(tree: T, fn) -> T:
-  """Applies `fn` to the floating leaves, computing in at least float32."""
+  """Applies `fn` to the floating and complex leaves, in at least float32."""
 
   def apply(x):
-    if not _is_float_array(x):
+    if not _is_inexact_array(x):
       return x
     return fn(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
 
   return jax.tree.map(apply, tree)
 
 
-def _positive_number(value: Any, name: str, allow_none: bool = False):
-  """Returns a setting as a finite positive Python float, or raises.
+def _new(cls: type[T], **fields: Any) -> T:
+  """An instance with these fields, built without `__init__` (no checks).
 
-  Settings are concrete real numbers (Python, NumPy or JAX scalars); booleans,
-  strings and traced values are rejected. With `allow_none`, None and +inf
-  mean "no bound".
+  For values the library produces itself (unflattening, `adjust`) or has
+  already validated; user-facing construction goes through `__init__`.
   """
-  if allow_none and (value is None or value == math.inf):
-    return None
-  if isinstance(value, (bool, np.bool_, str)) or (
-    hasattr(value, "dtype") and value.dtype == np.bool_
-  ):
-    raise TypeError(f"{name} must be a positive number, got {value!r}.")
-  try:
-    number = float(value)
-  except TypeError:
+  obj = object.__new__(cls)
+  for name, value in fields.items():
+    object.__setattr__(obj, name, value)
+  return obj
+
+
+# Validation of user input. `name` is the argument's name in the caller's
+# vocabulary (jmp's `period` or torch.amp's `growth_interval`).
+
+
+def _f32(value: float) -> float:
+  """`value` rounded to float32 (inf beyond its range), as adjust computes."""
+  with np.errstate(over="ignore", under="ignore"):
+    return float(np.float32(value))
+
+
+def _host_scalar(value: Any, name: str) -> np.ndarray:
+  """A concrete real scalar setting as a 0-d NumPy array, or raises.
+
+  Accepts Python, NumPy and (non-traced) JAX real scalars; rejects booleans,
+  strings, traced values and anything with a shape.
+  """
+  if isinstance(value, jax.core.Tracer):
     raise TypeError(
-      f"{name} must be a concrete positive number (a setting, not a traced "
-      f"or array value), got {value!r}."
-    ) from None
-  if not math.isfinite(number) or number <= 0:
-    raise ValueError(f"{name} must be finite and > 0, got {value!r}.")
+      f"{name} is a setting (a static field) and must be a concrete number, "
+      f"not a traced value; got {value!r}."
+    )
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    value = value.addressable_data(0)
+  if isinstance(value, (str, bytes)) or value is None:
+    host = None
+  elif isinstance(value, int) and not -(2**63) <= value < 2**63:
+    # Beyond int64 (2**126 is a valid scale): as a float, inf if too large.
+    try:
+      host = np.asarray(float(value))
+    except OverflowError:
+      host = np.asarray(math.inf if value > 0 else -math.inf)
+  else:
+    try:
+      host = np.asarray(value)
+    except (TypeError, ValueError):
+      host = None
+  if host is None or host.dtype.kind not in "iuf":
+    raise TypeError(f"{name} must be a real number, got {value!r}.")
+  if host.ndim:
+    raise ValueError(
+      f"{name} must be a scalar, got an array of shape {host.shape}."
+    )
+  return host
+
+
+def _show(value: Any, host: np.ndarray) -> str:
+  """How a user's value reads in a message: `1e-46`, `float32(inf)`."""
+  if isinstance(value, numbers.Number):
+    return repr(value)
+  return f"{host.dtype}({host.item()!r})"
+
+
+def _warn_outside(message: str) -> None:
+  """Warns, attributing the warning to the first caller outside this module."""
+  frame, level = sys._getframe(0), 1
+  while frame is not None and frame.f_code.co_filename == __file__:
+    frame, level = frame.f_back, level + 1
+  warnings.warn(message, stacklevel=level)
+
+
+def _warn_if_integer(value: Any, name: str) -> None:
+  """jmp's warning for an integer array (a Python int is simply converted)."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None and np.dtype(dtype).kind in "iu":
+    # jmp's words; jmp then crashes in adjust, we convert.
+    _warn_outside(
+      f"Expected floating type for {name}, got {dtype}; converted to float32."
+    )
+
+
+def _integer_setting(value: Any, name: str, low: int, what: str) -> int:
+  """An integer setting in [low, 2**31 - 1]; 5.0 counts as 5 (jmp passes it)."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be an integer ({what}), got {value!r}.")
+  host = _host_scalar(value, name)
+  number = float(host)
+  if not number.is_integer() or not low <= number <= _INT32_MAX:
+    raise ValueError(
+      f"{name} must be an integer in [{low}, 2**31 - 1] ({what}), got "
+      f"{_show(value, host)}."
+    )
+  return int(number)
+
+
+def _bool_setting(value: Any, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False, got {value!r}.")
+  return bool(value)
+
+
+def _factor(value: Any, name: str, low: float, high: float) -> float:
+  """A multiplier whose float32 rounding lies strictly inside (low, high)."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a number, got {value!r}.")
+  host = _host_scalar(value, name)
+  number = float(host)
+  # adjust multiplies in float32: 1 + 1e-9 would round to 1 and never grow.
+  if not (math.isfinite(_f32(number)) and low < _f32(number) < high):
+    bounds = f"> {low:g}" if high == math.inf else f"in ({low:g}, {high:g})"
+    raise ValueError(
+      f"{name} must be {bounds} in float32, got {_show(value, host)} "
+      "(adjust multiplies in float32, where 1 + 1e-9 is 1)."
+    )
   return number
 
 
-def _check_scale_leaf(value: Any, name: str):
-  """Normalises a scale leaf to float32; objects without a dtype pass as is.
+def _scale_setting(
+  value: Any,
+  name: str,
+  *,
+  zero_ok: str | None = None,
+  warn_int: bool = False,
+) -> float:
+  """A scale given as a setting, as a Python float in the scale's range.
 
-  Pytree unflattening calls the constructor with tracers, abstract values and
-  arbitrary objects (e.g. shardings). So: Python and NumPy numbers become
-  float32 NumPy scalars (checked > 0 and finite, with no device sync); arrays
-  of another float dtype are cast to float32; anything with a non-float dtype
-  is rejected; anything else is left alone.
+  `zero_ok=None` refuses 0; a string lets 0 through and, if not empty, says
+  in the message what 0 means ("" for StaticLossScale: jmp builds it at 0,
+  and its scale/unscale refuse).
+  """
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a number, got {value!r}.")
+  host = _host_scalar(value, name)
+  if warn_int:
+    _warn_if_integer(value, name)
+  number = float(host)
+  if zero_ok is not None and number == 0:
+    return 0.0
+  if not (
+    math.isfinite(number) and MIN_LOSS_SCALE <= _f32(number) <= MAX_LOSS_SCALE
+  ):
+    zero = f", or be 0 ({zero_ok})" if zero_ok else ""
+    raise ValueError(
+      f"{name} must lie in {_RANGE} ({_WHY_RANGE}){zero}, got "
+      f"{_show(value, host)}."
+    )
+  return number
+
+
+def _scale_leaf(value: Any, name: str) -> tuple[Any, float | None]:
+  """The dynamic scale as a float32 scalar leaf, range-checked if concrete.
+
+  Returns `(leaf, value)`: the leaf is a float32 NumPy scalar array for a
+  Python or NumPy number, the same JAX array (cast to float32 if needed) for
+  a JAX array; `value` is the concrete number, or None for a traced value,
+  which is checked for shape and dtype only.
   """
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a float, got {value!r}.")
-  if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
-    number = float(value)
-    if not math.isfinite(number) or number <= 0:
-      raise ValueError(f"{name} must be finite and > 0, got {value!r}.")
-    return np.asarray(number, np.float32)
-  if hasattr(value, "dtype"):
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-      raise TypeError(
-        f"{name} must be a floating array (gradients are multiplied by its "
-        f"reciprocal), got dtype {value.dtype}; write e.g. jnp.float32(2**15)."
-      )
-    if value.dtype != np.float32 and hasattr(value, "astype"):
-      # float16 cannot hold 2**16; float32 is the scale's dtype everywhere.
-      return value.astype(np.float32)
-  return value
+  if not isinstance(value, jax.core.Tracer):
+    number = _scale_setting(value, name, warn_int=True)
+    if isinstance(value, jax.Array):
+      if value.dtype != jnp.float32:
+        value = value.astype(jnp.float32)
+      return value, number
+    return np.asarray(number, np.float32), number
+  if value.shape != ():
+    raise ValueError(
+      f"{name} must be a scalar, got a traced array of shape {value.shape}."
+    )
+  if value.dtype.kind not in "iuf":
+    raise TypeError(f"{name} must be a real number, got dtype {value.dtype}.")
+  _warn_if_integer(value, name)
+  if value.dtype != jnp.float32:
+    value = value.astype(jnp.float32)
+  return value, None
+
+
+def _count_leaf(value: Any, name: str, high: int, what: str) -> Any:
+  """An int32 scalar counter in [0, high] (checked when concrete)."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be an integer, got {value!r}.")
+  traced = isinstance(value, jax.core.Tracer)
+  if traced:
+    dtype, shape = value.dtype, value.shape
+  else:
+    host = _host_scalar(value, name)
+    dtype, shape = host.dtype, host.shape
+  if dtype.kind not in "iu":
+    raise TypeError(f"{name} must be an integer ({what}), got {value!r}.")
+  if shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {shape}.")
+  if not traced and not 0 <= int(host) <= high:
+    raise ValueError(
+      f"{name} must lie in [0, {high}] ({what}), got {_show(value, host)}."
+    )
+  if isinstance(value, (jax.Array, jax.core.Tracer)):
+    return value if value.dtype == jnp.int32 else value.astype(jnp.int32)
+  return np.asarray(int(host), np.int32)
 
 
 class _ScalesByValue:
@@ -107,10 +287,12 @@ class _ScalesByValue:
   loss_scale: Any
 
   def scale(self, tree: T) -> T:
+    """Multiplies the float and complex leaves of `tree` by the scale."""
     scale = jnp.asarray(self.loss_scale, jnp.float32)
     return _scale_leaves(tree, lambda x: x * scale.astype(x.dtype))
 
   def unscale(self, tree: T) -> T:
+    """Multiplies the float and complex leaves of `tree` by 1 / scale."""
     inv = _reciprocal(self.loss_scale)
     return _scale_leaves(tree, lambda x: x * inv.astype(x.dtype))
 
@@ -134,13 +316,26 @@ class NoOpLossScale:
     return self
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class StaticLossScale(_ScalesByValue):
-  """Scales and unscales by a fixed positive constant.
+  """Scales and unscales by a fixed constant in [2**-126, 2**126].
 
   The constant is a static field (a Python float), so this loss scale has no
-  leaves, like jmp's. Floating leaves are scaled in at least float32, so a
-  float16 loss times 2**16 does not overflow; other leaves pass through.
+  leaves, like jmp's. Float and complex leaves are scaled in at least float32
+  (complex64), so a float16 loss times 2**16 does not overflow; integer and
+  boolean leaves pass through.
+
+  `StaticLossScale(0)` builds, as in jmp, but `scale` and `unscale` raise:
+  a zero scale would zero every gradient.
+
+  Args:
+    loss_scale: a concrete real number (Python, NumPy or JAX scalar) in
+      [2**-126, 2**126], or 0.
+
+  Raises:
+    ValueError: for a scale outside that range (negative, NaN, inf, 1e39,
+      1e-46) or an array that is not a scalar.
+    TypeError: for a boolean, a string or a traced value.
 
   Example:
     >>> import jax.numpy as jnp
@@ -153,27 +348,158 @@ class StaticLossScale(_ScalesByValue):
 
   loss_scale: float
 
-  def __post_init__(self):
-    object.__setattr__(
-      self, "loss_scale", _positive_number(self.loss_scale, "loss_scale")
-    )
+  def __init__(self, loss_scale: Any):
+    value = _scale_setting(loss_scale, "loss_scale", zero_ok="")
+    object.__setattr__(self, "loss_scale", value)
+
+  def _check_nonzero(self) -> None:
+    if self.loss_scale == 0:
+      raise ValueError(
+        "StaticLossScale(0) cannot scale or unscale: a zero scale zeroes "
+        f"every gradient. Use a scale in {_RANGE} or NoOpLossScale()."
+      )
+
+  def scale(self, tree: T) -> T:
+    """Multiplies the float and complex leaves of `tree` by the scale."""
+    self._check_nonzero()
+    return super().scale(tree)
+
+  def unscale(self, tree: T) -> T:
+    """Multiplies the float and complex leaves of `tree` by 1 / scale."""
+    self._check_nonzero()
+    return super().unscale(tree)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> StaticLossScale:
     del grads_finite
     return self
 
 
-@dataclasses.dataclass(frozen=True)
+# Settings of a DynamicLossScale, in the vocabulary of jmp (the class) and of
+# torch.amp/Megatron (the `dynamic_loss_scale` factory), for error messages.
+_SETTINGS = (
+  "period",
+  "factor",
+  "min_loss_scale",
+  "backoff_factor",
+  "max_loss_scale",
+  "hysteresis",
+  "consecutive_hysteresis",
+)
+_JMP_NAMES = {k: k for k in ("loss_scale", "counter", *_SETTINGS)}
+_TORCH_NAMES = {
+  **_JMP_NAMES,
+  "loss_scale": "init_scale",
+  "period": "growth_interval",
+  "factor": "growth_factor",
+  "min_loss_scale": "min_scale",
+  "max_loss_scale": "max_scale",
+}
+
+
+def _dynamic_fields(
+  names: dict[str, str],
+  loss_scale: Any,
+  counter: Any,
+  period: Any,
+  factor: Any,
+  min_loss_scale: Any,
+  backoff_factor: Any,
+  max_loss_scale: Any,
+  hysteresis: Any,
+  hysteresis_tracker: Any,
+  consecutive_hysteresis: Any,
+) -> dict[str, Any]:
+  """Validates a DynamicLossScale's arguments; returns its field values."""
+  n = names
+  period = _integer_setting(period, n["period"], 1, "finite steps per growth")
+  factor = _factor(factor, n["factor"], 1.0, math.inf)
+  if backoff_factor is not None:
+    backoff_factor = _factor(backoff_factor, n["backoff_factor"], 0.0, 1.0)
+  # jmp's min_loss_scale may be 0: the floor is then 2**-126.
+  min_scale = _scale_setting(
+    min_loss_scale,
+    n["min_loss_scale"],
+    zero_ok="the floor is then 2**-126",
+    warn_int=True,
+  )
+  if max_loss_scale is None or (
+    isinstance(max_loss_scale, numbers.Real) and max_loss_scale == math.inf
+  ):
+    max_scale = None
+  else:
+    max_scale = _scale_setting(max_loss_scale, n["max_loss_scale"])
+    if _f32(max_scale) < _f32(min_scale):
+      raise ValueError(
+        f"{n['max_loss_scale']} ({max_scale}) must be >= "
+        f"{n['min_loss_scale']} ({min_scale})."
+      )
+  hysteresis = _integer_setting(
+    hysteresis, n["hysteresis"], 1, "overflows tolerated before backing off"
+  )
+  consecutive = _bool_setting(
+    consecutive_hysteresis, n["consecutive_hysteresis"]
+  )
+  loss_scale, value = _scale_leaf(loss_scale, n["loss_scale"])
+  if value is not None:
+    value = _f32(value)
+    if value < _f32(min_scale):
+      raise ValueError(
+        f"{n['loss_scale']} ({value}) must be >= {n['min_loss_scale']} "
+        f"({min_scale}); lower {n['min_loss_scale']} to start below it."
+      )
+    if max_scale is not None and value > _f32(max_scale):
+      raise ValueError(
+        f"{n['loss_scale']} ({value}) must be <= {n['max_loss_scale']} "
+        f"({max_scale})."
+      )
+  counter = _count_leaf(
+    counter,
+    n["counter"],
+    period - 1,
+    f"finite steps since the last change, below {n['period']}",
+  )
+  if hysteresis == 1:
+    if hysteresis_tracker is not None:
+      raise ValueError(
+        "hysteresis_tracker is only tracked with hysteresis > 1 (with 1, "
+        f"every overflow backs off); got {hysteresis_tracker!r}: pass None."
+      )
+  elif hysteresis_tracker is None:
+    hysteresis_tracker = np.asarray(hysteresis, np.int32)
+  else:
+    hysteresis_tracker = _count_leaf(
+      hysteresis_tracker,
+      "hysteresis_tracker",
+      hysteresis,
+      "overflows left before backing off",
+    )
+  return dict(
+    loss_scale=loss_scale,
+    counter=counter,
+    period=period,
+    factor=factor,
+    min_loss_scale=min_scale,
+    backoff_factor=backoff_factor,
+    max_loss_scale=max_scale,
+    hysteresis=hysteresis,
+    hysteresis_tracker=hysteresis_tracker,
+    consecutive_hysteresis=consecutive,
+  )
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class DynamicLossScale(_ScalesByValue):
   """Dynamic loss scale with growth, backoff, hysteresis and min/max.
 
   It looks for the largest scale that keeps gradients finite. With the default
   `hysteresis=1` the trajectory is torch.amp.GradScaler's; with `hysteresis>1`
-  it is Megatron-LM's DynamicGradScaler's, except that the scale never
-  becomes infinite (growth that would overflow is refused) and
-  `max_loss_scale` caps it::
+  it is Megatron-LM's DynamicGradScaler's. Unlike both, the scale stays a
+  normal float32 whose reciprocal is normal (growth is capped at 2**126,
+  backoff floored at 2**-126), so unscaling never flushes gradients to 0::
 
       # period=growth_interval, factor=growth_factor
+      ceiling = min(max_loss_scale or inf, 2**126)
+      floor = max(min_loss_scale, 2**-126)
       if grads_finite:
         counter += 1
         if consecutive_hysteresis:
@@ -181,18 +507,45 @@ class DynamicLossScale(_ScalesByValue):
         if counter == period:
           counter = 0
           hysteresis_tracker = hysteresis
-          grown = min(loss_scale * factor, max_loss_scale)
-          loss_scale = grown if isfinite(grown) else loss_scale
+          loss_scale = min(loss_scale * factor, ceiling)
       else:
         counter = 0
-        hysteresis_tracker -= 1
-        if hysteresis_tracker <= 0:
-          loss_scale = max(loss_scale * backoff_factor, min_loss_scale)
+        hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+        if hysteresis_tracker == 0:
+          loss_scale = max(loss_scale * backoff_factor, floor)
 
-  `backoff_factor=None` (jmp's convention) backs off by dividing by `factor`.
-  Settings are static fields; `loss_scale`, `counter` and
-  `hysteresis_tracker` are the leaves (float32, int32, int32). Prefer the
-  `dynamic_loss_scale` factory, which speaks torch.amp's vocabulary.
+  Products are taken in float32. `backoff_factor=None` (jmp's convention)
+  backs off by dividing by `factor`. With `hysteresis=1` the budget is always
+  spent by one overflow, so it is not tracked: `hysteresis_tracker` is None
+  and the leaves are `loss_scale` (float32) and `counter` (int32), as in jmp;
+  with `hysteresis>1`, `hysteresis_tracker` (int32) is a third leaf. The
+  settings are static fields. Prefer the `dynamic_loss_scale` factory, which
+  speaks torch.amp's vocabulary.
+
+  Args:
+    loss_scale: the initial scale: a real scalar (Python number or 0-d
+      array) in [2**-126, 2**126], and in [min_loss_scale, max_loss_scale].
+      Stored as float32; an integer array is converted with jmp's warning
+      "Expected floating type for loss_scale".
+    counter: finite steps since the last growth or overflow; an integer in
+      [0, period).
+    period: finite steps between growths; an integer >= 1 (`5.0` counts).
+    factor: growth factor; > 1 in float32.
+    min_loss_scale: floor of the scale: 0 (jmp's "no floor": the floor is
+      then 2**-126) or a value in [2**-126, 2**126].
+    backoff_factor: multiplies the scale on an overflow; in (0, 1), or None
+      to divide by `factor`.
+    max_loss_scale: ceiling of the scale, in [2**-126, 2**126] and >=
+      `min_loss_scale`, or None (or inf) for 2**126.
+    hysteresis: overflows tolerated before backing off; an integer >= 1.
+    hysteresis_tracker: overflows left before backing off, in
+      [0, hysteresis]; None for a full budget (required with hysteresis 1).
+    consecutive_hysteresis: True to refill the budget on every finite step.
+
+  Raises:
+    ValueError: for a value outside the ranges above, or a non-scalar.
+    TypeError: for a wrongly typed value (a string, a boolean number, a
+      non-boolean `consecutive_hysteresis`, a traced setting).
 
   Example:
     >>> import jax.numpy as jnp
@@ -205,161 +558,136 @@ class DynamicLossScale(_ScalesByValue):
   """
 
   loss_scale: Any
-  counter: Any = dataclasses.field(
-    default_factory=lambda: np.zeros([], np.int32)
-  )
-  period: int = 2000
-  factor: float = 2
-  min_loss_scale: float = 1.0
-  _: dataclasses.KW_ONLY
-  backoff_factor: float | None = None
-  max_loss_scale: float | None = None
-  hysteresis: int = 1
-  hysteresis_tracker: Any = None
-  consecutive_hysteresis: bool = False
+  counter: Any
+  period: int
+  factor: float
+  min_loss_scale: float
+  backoff_factor: float | None
+  max_loss_scale: float | None
+  hysteresis: int
+  hysteresis_tracker: Any
+  consecutive_hysteresis: bool
 
-  def __hash__(self):
-    # The leaves may be arrays (unhashable); the settings are enough, and
-    # equal instances have equal settings. jit hashes trees of shardings
-    # shaped like this state, so the class must be hashable.
-    return hash(
-      (
-        type(self),
-        self.period,
-        self.factor,
-        self.min_loss_scale,
-        self.backoff_factor,
-        self.max_loss_scale,
-        self.hysteresis,
-        self.consecutive_hysteresis,
-      )
+  def __init__(
+    self,
+    loss_scale: jax.typing.ArrayLike,
+    counter: jax.typing.ArrayLike = 0,
+    period: int = 2000,
+    factor: float = 2,
+    min_loss_scale: float = 1,
+    *,
+    backoff_factor: float | None = None,
+    max_loss_scale: float | None = None,
+    hysteresis: int = 1,
+    hysteresis_tracker: jax.typing.ArrayLike | None = None,
+    consecutive_hysteresis: bool = False,
+  ):
+    fields = _dynamic_fields(
+      _JMP_NAMES,
+      loss_scale,
+      counter,
+      period,
+      factor,
+      min_loss_scale,
+      backoff_factor,
+      max_loss_scale,
+      hysteresis,
+      hysteresis_tracker,
+      consecutive_hysteresis,
     )
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
 
-  def __post_init__(self):
-    set_ = lambda k, v: object.__setattr__(self, k, v)
-    set_("loss_scale", _check_scale_leaf(self.loss_scale, "loss_scale"))
-    if isinstance(self.counter, numbers.Integral):
-      set_("counter", np.asarray(self.counter, np.int32))
-    if (
-      isinstance(self.period, bool)
-      or not isinstance(self.period, numbers.Integral)
-      or self.period < 1
-    ):
-      raise ValueError(
-        f"period (growth_interval) must be an integer >= 1, got "
-        f"{self.period!r}."
-      )
-    set_("period", int(self.period))
-    factor = _positive_number(self.factor, "factor (growth_factor)")
-    if factor <= 1:
-      raise ValueError(
-        f"factor (growth_factor) must be > 1, got {self.factor!r}."
-      )
-    set_("factor", factor)
-    if self.backoff_factor is not None:
-      backoff = _positive_number(self.backoff_factor, "backoff_factor")
-      if backoff >= 1:
-        raise ValueError(
-          f"backoff_factor must lie in (0, 1), got {self.backoff_factor!r}."
-        )
-      set_("backoff_factor", backoff)
-    min_scale = _positive_number(self.min_loss_scale, "min_loss_scale")
-    set_("min_loss_scale", min_scale)
-    max_scale = _positive_number(
-      self.max_loss_scale, "max_loss_scale", allow_none=True
-    )
-    if max_scale is not None and max_scale < min_scale:
-      raise ValueError(
-        f"max_loss_scale ({max_scale}) must be >= min_loss_scale ({min_scale})."
-      )
-    set_("max_loss_scale", max_scale)
-    if (
-      isinstance(self.hysteresis, bool)
-      or not isinstance(self.hysteresis, numbers.Integral)
-      or self.hysteresis < 1
-    ):
-      raise ValueError(
-        f"hysteresis must be an integer >= 1, got {self.hysteresis!r}."
-      )
-    set_("hysteresis", int(self.hysteresis))
-    set_("consecutive_hysteresis", bool(self.consecutive_hysteresis))
-    # jax rebuilds this class with None (or sharding) leaves when it maps
-    # over a tree of states (jit's out_layouts): keep such a None a None.
-    if self.hysteresis_tracker is None and self.loss_scale is not None:
-      set_("hysteresis_tracker", np.asarray(self.hysteresis, np.int32))
-    elif isinstance(self.hysteresis_tracker, numbers.Integral):
-      set_("hysteresis_tracker", np.asarray(self.hysteresis_tracker, np.int32))
-    if isinstance(self.loss_scale, np.ndarray):
-      # Compare as adjust() does: in float32.
-      value = np.float32(self.loss_scale)
-      if not np.isfinite(value) or value <= 0:
-        raise ValueError(f"loss_scale must be finite and > 0, got {value}.")
-      if value < np.float32(min_scale):
-        raise ValueError(
-          f"loss_scale ({value}) must be >= min_loss_scale ({min_scale})."
-        )
-      if max_scale is not None and value > np.float32(max_scale):
-        raise ValueError(
-          f"loss_scale ({value}) must be <= max_loss_scale ({max_scale})."
-        )
+  @property
+  def _ceiling(self) -> float:
+    if self.max_loss_scale is None:
+      return MAX_LOSS_SCALE
+    return min(self.max_loss_scale, MAX_LOSS_SCALE)
+
+  @property
+  def _floor(self) -> float:
+    return max(self.min_loss_scale, MIN_LOSS_SCALE)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> DynamicLossScale:
     """Returns the next state, given whether this step's grads were finite."""
     grads_finite = jnp.asarray(grads_finite)
     if grads_finite.ndim != 0 or grads_finite.dtype != jnp.bool_:
-      raise ValueError(
-        "adjust expects a boolean scalar (e.g. all_finite(grads)), got "
-        f"{grads_finite.dtype}{list(grads_finite.shape)}."
+      raise _NotBooleanScalarError(
+        "adjust expected boolean scalar grads_finite (e.g. "
+        f"all_finite(grads)), got {grads_finite.dtype}"
+        f"{list(grads_finite.shape)}."
       )
     scale = jnp.asarray(self.loss_scale, jnp.float32)
     counter = jnp.asarray(self.counter, jnp.int32)
-    tracker = jnp.asarray(self.hysteresis_tracker, jnp.int32)
-    full = jnp.int32(self.hysteresis)
 
     # Finite step: count, and grow once `period` finite steps have passed.
     grow = counter + 1 >= self.period
-    grown = scale * self.factor
-    if self.max_loss_scale is not None:
-      grown = jnp.minimum(grown, self.max_loss_scale)
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)
+    grown = jnp.minimum(scale * self.factor, self._ceiling)
     ok_scale = jnp.where(grow, grown, scale)
     ok_counter = jnp.where(grow, 0, counter + 1)
-    refill = grow | self.consecutive_hysteresis
-    ok_tracker = jnp.where(refill, full, tracker)
 
     # Non-finite step: spend hysteresis, then back off down to the floor.
-    bad_tracker = jnp.maximum(tracker - 1, 0)
     if self.backoff_factor is None:
       backed = scale / self.factor
     else:
       backed = scale * self.backoff_factor
-    backed = jnp.maximum(backed, self.min_loss_scale)
-    bad_scale = jnp.where(bad_tracker <= 0, backed, scale)
+    backed = jnp.maximum(backed, self._floor)
+    if self.hysteresis == 1:
+      bad_scale, tracker = backed, None
+    else:
+      old = jnp.asarray(self.hysteresis_tracker, jnp.int32)
+      spent = jnp.maximum(old - 1, 0)
+      bad_scale = jnp.where(spent == 0, backed, scale)
+      refill = grow | self.consecutive_hysteresis
+      ok_tracker = jnp.where(refill, jnp.int32(self.hysteresis), old)
+      tracker = jnp.where(grads_finite, ok_tracker, spent)
 
-    return dataclasses.replace(
-      self,
+    return _new(
+      type(self),
       loss_scale=jnp.where(grads_finite, ok_scale, bad_scale),
       counter=jnp.where(grads_finite, ok_counter, 0),
-      hysteresis_tracker=jnp.where(grads_finite, ok_tracker, bad_tracker),
+      hysteresis_tracker=tracker,
+      **{k: getattr(self, k) for k in _SETTINGS},
     )
 
 
+def _flatten_dynamic(ls: DynamicLossScale):
+  leaves = (ls.loss_scale, ls.counter)
+  if ls.hysteresis > 1:
+    leaves += (ls.hysteresis_tracker,)
+  return leaves, tuple(getattr(ls, k) for k in _SETTINGS)
+
+
+def _flatten_dynamic_with_keys(ls: DynamicLossScale):
+  leaves, settings = _flatten_dynamic(ls)
+  names = ("loss_scale", "counter", "hysteresis_tracker")[: len(leaves)]
+  keys = (jax.tree_util.GetAttrKey(k) for k in names)
+  keyed = tuple(zip(keys, leaves, strict=True))
+  return keyed, settings
+
+
+def _unflatten_dynamic(settings, leaves) -> DynamicLossScale:
+  loss_scale, counter, *tracker = leaves
+  return _new(
+    DynamicLossScale,
+    loss_scale=loss_scale,
+    counter=counter,
+    hysteresis_tracker=tracker[0] if tracker else None,
+    **dict(zip(_SETTINGS, settings, strict=True)),
+  )
+
+
 jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
-jax.tree_util.register_dataclass(
-  StaticLossScale, data_fields=[], meta_fields=["loss_scale"]
+jax.tree_util.register_pytree_node(
+  StaticLossScale,
+  lambda ls: ((), ls.loss_scale),
+  lambda scale, _: _new(StaticLossScale, loss_scale=scale),
 )
-jax.tree_util.register_dataclass(
+jax.tree_util.register_pytree_with_keys(
   DynamicLossScale,
-  data_fields=["loss_scale", "counter", "hysteresis_tracker"],
-  meta_fields=[
-    "period",
-    "factor",
-    "min_loss_scale",
-    "backoff_factor",
-    "max_loss_scale",
-    "hysteresis",
-    "consecutive_hysteresis",
-  ],
+  _flatten_dynamic_with_keys,
+  _unflatten_dynamic,
+  _flatten_dynamic,
 )
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
@@ -385,57 +713,64 @@ def dynamic_loss_scale(
   instead (DeepSpeed's option, apex/NeMo's behaviour).
 
   Args:
-    init_scale: the first scale; in [min_scale, max_scale].
+    init_scale: the first scale; in [2**-126, 2**126] and in
+      [min_scale, max_scale].
     growth_factor: multiplies the scale after `growth_interval` finite steps
-      in a row; > 1.
+      in a row; > 1 in float32.
     backoff_factor: multiplies the scale on an overflow once the hysteresis
-      budget is spent; in (0, 1).
-    growth_interval: finite steps between growths; >= 1.
-    hysteresis: overflows tolerated before backing off; >= 1.
-    min_scale: floor of the scale; > 0.
-    max_scale: ceiling of the scale, or None for none (growth never reaches
-      infinity either way).
-    consecutive_hysteresis: refill the hysteresis budget on each finite step.
+      budget is spent; in (0, 1) in float32.
+    growth_interval: finite steps between growths; an integer >= 1.
+    hysteresis: overflows tolerated before backing off; an integer >= 1.
+    min_scale: floor of the scale; in [2**-126, 2**126], or 0 for no floor
+      but float32's (2**-126, as torch.amp has none).
+    max_scale: ceiling of the scale, in [2**-126, 2**126], or None for
+      2**126 (the largest scale whose reciprocal is a normal float32).
+    consecutive_hysteresis: True to refill the hysteresis budget on each
+      finite step; a bool.
 
   Returns:
     A `DynamicLossScale`.
 
   Raises:
-    ValueError: for settings outside the ranges above.
+    ValueError: for settings outside the ranges above; the message names
+      the argument and the value.
+    TypeError: for settings of the wrong type (a string, a non-bool
+      `consecutive_hysteresis`).
 
   Example:
     >>> ls = dynamic_loss_scale(init_scale=2.0**16, growth_interval=1000)
     >>> float(ls.loss_scale), ls.period, ls.backoff_factor
     (65536.0, 1000, 0.5)
   """
-  init = _positive_number(init_scale, "init_scale")
-  min_scale = _positive_number(min_scale, "min_scale")
-  if min_scale > init:
-    raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init}).")
-  return DynamicLossScale(
-    np.asarray(init, np.float32),
+  fields = _dynamic_fields(
+    _TORCH_NAMES,
+    loss_scale=init_scale,
+    counter=0,
     period=growth_interval,
     factor=growth_factor,
     min_loss_scale=min_scale,
     backoff_factor=backoff_factor,
     max_loss_scale=max_scale,
     hysteresis=hysteresis,
+    hysteresis_tracker=None,
     consecutive_hysteresis=consecutive_hysteresis,
   )
+  return _new(DynamicLossScale, **fields)
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """Returns a boolean scalar: whether every floating leaf is finite.
+  """Returns a boolean scalar: whether every float and complex leaf is finite.
 
   One global predicate: under jit with sharded leaves the reduction spans all
-  shards. Non-floating leaves are finite by definition.
+  shards. A complex leaf is finite when both parts are; integer and boolean
+  leaves are finite by definition.
 
   Example:
     >>> import jax.numpy as jnp
     >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
     False
   """
-  leaves = [x for x in jax.tree.leaves(tree) if _is_float_array(x)]
+  leaves = [x for x in jax.tree.leaves(tree) if _is_inexact_array(x)]
   if not leaves:
     return jnp.array(True)
   return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
@@ -453,11 +788,12 @@ def select_tree(pred: jax.typing.ArrayLike, a: T, b: T) -> T:
     `a` if `pred` else `b`, without a host round trip.
 
   Raises:
-    ValueError: if `pred` is not a boolean scalar or the trees differ.
+    ValueError: if `pred` is not a boolean scalar (the error is also an
+      `AssertionError`, which jmp raises) or the trees differ.
   """
   pred = jnp.asarray(pred)
   if pred.ndim != 0 or pred.dtype != jnp.bool_:
-    raise ValueError(
+    raise _NotBooleanScalarError(
       "select_tree expected boolean scalar pred, got "
       f"{pred.dtype}{list(pred.shape)}."
     )

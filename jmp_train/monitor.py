@@ -118,7 +118,8 @@ def loss_scale_alarms(
   streak = jnp.asarray(state.skip_streak)
   scaler = state.loss_scaler
   if isinstance(scaler, ls_lib.DynamicLossScale):
-    at_min = jnp.asarray(scaler.loss_scale) <= scaler.min_loss_scale
+    floor = max(scaler.min_loss_scale, ls_lib.MIN_LOSS_SCALE)
+    at_min = jnp.asarray(scaler.loss_scale) <= floor
     at_min = at_min & (streak > 0)
   else:
     at_min = jnp.zeros([], jnp.bool_)

@@ -9,6 +9,8 @@ unchanged. This module is a drop-in superset of jmp 0.0.4's policy API.
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -19,17 +21,29 @@ T = TypeVar("T")
 
 # The floating dtypes a policy names, and so the only dtypes a cast touches.
 # float8 arrays carry their own scales (see fp8 recipes) and are never cast.
-_CASTABLE = frozenset(
-  np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-)
-
-_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
-  np.dtype(jnp.float32): ("float32", "f32", "full", "single"),
-  np.dtype(jnp.bfloat16): ("bfloat16", "bf16"),
-  np.dtype(jnp.float16): ("float16", "f16"),
-  np.dtype(jnp.float64): ("float64", "f64", "double"),
+# A policy holds them as jnp scalar types, as jmp does: `policy.compute_dtype`
+# is `jnp.bfloat16`, so it can be called, compared with `is` and used as a key.
+_SCALAR_TYPES = {
+  np.dtype(t): t for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 }
-_NAME_TO_DTYPE = {n: d for d, names in _DTYPE_NAMES.items() for n in names}
+_CASTABLE = frozenset(_SCALAR_TYPES)
+
+dtype_to_names: Mapping[Any, tuple[str, ...]] = types.MappingProxyType(
+  {
+    jnp.float32: ("float32", "f32", "full", "single"),
+    jnp.bfloat16: ("bfloat16", "bf16"),
+    jnp.float16: ("float16", "f16"),
+    jnp.float64: ("float64", "f64", "double"),
+  }
+)
+"""The names `get_policy` accepts for each dtype; `str(policy)` uses the first.
+
+Keyed by the jnp scalar types (NumPy's `np.float16` finds the same entry).
+jmp lists `"full"` first for float32; ours lists the full name, so
+`str(policy)` reads `params=float32,...`.
+"""
+
+_NAME_TO_DTYPE = {n: d for d, names in dtype_to_names.items() for n in names}
 _ACCEPTED_DTYPE_NAMES = ", ".join(sorted([*_NAME_TO_DTYPE, "half"]))
 
 _KEYS = {
@@ -53,10 +67,10 @@ def half_dtype() -> type[jnp.bfloat16] | type[jnp.float16]:
   return jnp.bfloat16 if on_tpu else jnp.float16
 
 
-def _parse_dtype(name: str, context: str) -> np.dtype:
+def _parse_dtype(name: str, context: str) -> Any:
   key = name.strip().lower()
   if key == "half":
-    return np.dtype(half_dtype())
+    return half_dtype()
   try:
     return _NAME_TO_DTYPE[key]
   except KeyError:
@@ -66,22 +80,34 @@ def _parse_dtype(name: str, context: str) -> np.dtype:
     ) from None
 
 
-def _as_policy_dtype(value: Any, field: str) -> np.dtype:
-  """Normalises a dtype-like (jnp.float32, np.dtype, 'bf16') to np.dtype."""
+def _as_policy_dtype(value: Any, field: str) -> Any:
+  """Normalises a dtype-like (np.float16, np.dtype, 'bf16') to a jnp type."""
   if isinstance(value, str):
     return _parse_dtype(value, f"{field}={value}")
+  accepted = (
+    "a floating dtype, float16, bfloat16, float32 or float64 (as "
+    "jnp.bfloat16, np.float32, np.dtype('float16') or a name such as 'bf16')"
+  )
+  if value is float:
+    # NumPy reads the builtin as float64, JAX as float32 (without x64).
+    raise TypeError(
+      f"{field} is the builtin float, which NumPy reads as float64 and JAX "
+      f"as float32: pass jnp.float32 or jnp.float64. Accepted: {accepted}."
+    )
+  carries_dtype = not isinstance(value, (type, np.dtype)) and hasattr(
+    value, "dtype"
+  )
+  if value is None or carries_dtype:
+    # np.dtype(None) is float64 and np.dtype(array) is the array's dtype:
+    # neither is what the caller meant.
+    raise TypeError(f"{field} must be {accepted}; got {value!r}.")
   try:
     dtype = np.dtype(value)
   except TypeError:
-    raise TypeError(
-      f"{field} must be a floating dtype such as jnp.bfloat16, got {value!r}."
-    ) from None
+    raise TypeError(f"{field} must be {accepted}; got {value!r}.") from None
   if dtype not in _CASTABLE:
-    raise ValueError(
-      f"{field} must be one of float16, bfloat16, float32, float64; got "
-      f"{dtype.name}."
-    )
-  return dtype
+    raise ValueError(f"{field} must be {accepted}; got {dtype.name}.")
+  return _SCALAR_TYPES[dtype]
 
 
 def _is_castable(x: Any) -> bool:
@@ -100,7 +126,15 @@ def cast_floating(tree: T, dtype: Any) -> T:
   Returns:
     `tree` with those leaves cast to `dtype`; every other leaf is returned
     as it is (the same object).
+
+  Raises:
+    TypeError: if `dtype` is None (NumPy would read it as float64).
   """
+  if dtype is None:
+    raise TypeError(
+      "cast_floating: dtype is None; pass the target dtype, e.g. "
+      "jnp.bfloat16 (NumPy would read None as float64)."
+    )
   dtype = np.dtype(dtype)
 
   def cast(x):
@@ -113,13 +147,20 @@ def cast_floating(tree: T, dtype: Any) -> T:
 class Policy:
   """Encapsulates casting for inputs, outputs and parameters.
 
-  Dtype fields are normalised to `numpy.dtype`, so `Policy(jnp.float32, ...)`
-  and `Policy(np.float32, ...)` are equal and hash alike; names such as
-  `"bf16"` are accepted too.
+  Each dtype field is normalised to a jnp scalar type (`jnp.float16`,
+  `jnp.bfloat16`, `jnp.float32` or `jnp.float64`), as jmp stores them: so
+  `policy.compute_dtype(1.0)` makes a scalar, `policy.compute_dtype is
+  jnp.float16` holds and the dtype can key a dict. `np.float32`,
+  `np.dtype("float32")` and names such as `"bf16"` are accepted and become
+  the same type, so such policies are equal and hash alike. Anything else
+  (None, an integer or float8 dtype, an array) raises an error naming the
+  field. Use `np.dtype(policy.param_dtype)` for `.name` or `.itemsize`.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> policy = Policy(jnp.float32, "bf16", np.float32)
+    >>> policy.compute_dtype is jnp.bfloat16
+    True
     >>> print(policy)
     params=float32,compute=bfloat16,output=float32
     >>> policy.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
@@ -128,9 +169,9 @@ class Policy:
     True
   """
 
-  param_dtype: np.dtype
-  compute_dtype: np.dtype
-  output_dtype: np.dtype
+  param_dtype: Any
+  compute_dtype: Any
+  output_dtype: Any
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -160,9 +201,10 @@ class Policy:
     return dataclasses.replace(self, output_dtype=output_dtype)
 
   def __str__(self) -> str:
+    name = lambda dtype: dtype_to_names[dtype][0]
     return (
-      f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-      f"output={self.output_dtype.name}"
+      f"params={name(self.param_dtype)},compute={name(self.compute_dtype)},"
+      f"output={name(self.output_dtype)}"
     )
 
   def __repr__(self) -> str:
@@ -210,7 +252,7 @@ def get_policy(policy: str | Policy) -> Policy:
     dtype = _parse_dtype(text, policy)
     return Policy(dtype, dtype, dtype)
 
-  found: dict[str, np.dtype] = {}
+  found: dict[str, Any] = {}
   for part in text.split(","):
     key, sep, value = part.partition("=")
     key = key.strip().lower()
@@ -232,7 +274,7 @@ def get_policy(policy: str | Policy) -> Policy:
       )
     found[field] = _parse_dtype(value, policy)
 
-  param = found.get("param_dtype", np.dtype(jnp.float32))
+  param = found.get("param_dtype", jnp.float32)
   compute = found.get("compute_dtype", param)
   output = found.get("output_dtype", compute)
   return Policy(param, compute, output)

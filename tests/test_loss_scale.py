@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -136,14 +137,15 @@ def test_hysteresis_1_matches_torch_grad_scaler(
     want_counters.append(ref.growth_tracker)
   scales, counters = run_ours(ours, ~found_inf, jit)
   want_scales = np.array(want_scales, np.float32)
-  # The one difference: torch has no floor, ours stops at min_scale. Compare
-  # up to the first step where torch's scale goes below it.
-  below = np.flatnonzero(want_scales < 2.0**-126)
-  n = below[0] if below.size else len(found_inf)
+  # The differences: torch has no floor and grows up to float32's largest
+  # power of two (2**127); ours stays in [2**-126, 2**126]. Compare up to
+  # the first step where torch's scale leaves that range.
+  outside = np.flatnonzero((want_scales < 2.0**-126) | (want_scales > 2.0**126))
+  n = outside[0] if outside.size else len(found_inf)
   assert n >= 40
   np.testing.assert_array_equal(scales[:n], want_scales[:n])
   np.testing.assert_array_equal(counters, want_counters)
-  assert scales.min() >= 2.0**-126
+  assert scales.min() >= 2.0**-126 and scales.max() <= 2.0**126
 
 
 @pytest.mark.parametrize("name", sorted(SEQS))
@@ -206,12 +208,16 @@ def test_consecutive_hysteresis_counts_only_consecutive_overflows():
   )
 
 
-def test_scale_never_becomes_inf_and_floor_holds():
-  big = np.float32(2.0**127)
-  ls = jmp.DynamicLossScale(big, period=1, factor=2)
+def test_growth_stops_at_2_126_and_floor_holds():
+  # 2**126 is the largest scale whose reciprocal is a normal float32; jmp and
+  # torch grow on to 2**127, whose reciprocal XLA flushes to 0.
+  ls = jmp.DynamicLossScale(np.float32(2.0**125), period=1, factor=2)
   scales, counters = run_ours(ls, np.ones(5, bool), jit=True)
-  np.testing.assert_array_equal(scales, np.full(5, big))
+  np.testing.assert_array_equal(scales, np.full(5, np.float32(2.0**126)))
   np.testing.assert_array_equal(counters, 0)
+  capped = jmp.DynamicLossScale(1.0, period=1, factor=3, max_loss_scale=5.0)
+  scales, _ = run_ours(capped, np.ones(3, bool), jit=False)
+  np.testing.assert_array_equal(scales, [3, 5, 5])
   floor = jmp.dynamic_loss_scale(init_scale=8.0, min_scale=2.0)
   scales, _ = run_ours(floor, np.zeros(6, bool), jit=False)
   np.testing.assert_array_equal(scales, [4, 2, 2, 2, 2, 2])
@@ -346,48 +352,43 @@ def test_scale_and_unscale_match_float64_numpy(scale, dtype, variant):
     )
 
 
+RANGE = "must lie in [2**-126, 2**126]"
+
+
 @pytest.mark.parametrize(
   "kwargs,error,fragment",
   [
-    (dict(growth_factor=1.0), ValueError, "must be > 1, got 1.0"),
-    (dict(growth_factor=0.5), ValueError, "must be > 1, got 0.5"),
-    (dict(backoff_factor=1.0), ValueError, "(0, 1), got 1.0"),
-    (dict(backoff_factor=1.5), ValueError, "(0, 1), got 1.5"),
-    (
-      dict(backoff_factor=0.0),
-      ValueError,
-      "backoff_factor must be finite and > 0",
-    ),
+    (dict(growth_factor=1.0), ValueError, "must be > 1 in float32, got 1.0"),
+    (dict(growth_factor=0.5), ValueError, "must be > 1 in float32, got 0.5"),
+    (dict(backoff_factor=1.0), ValueError, "(0, 1) in float32, got 1.0"),
+    (dict(backoff_factor=1.5), ValueError, "(0, 1) in float32, got 1.5"),
+    (dict(backoff_factor=0.0), ValueError, "backoff_factor must be in (0, 1)"),
     (dict(backoff_factor=-0.5), ValueError, "got -0.5"),
     (
       dict(growth_interval=0),
       ValueError,
-      "growth_interval) must be an integer >= 1, got 0",
+      "growth_interval must be an integer in [1, 2**31 - 1]",
     ),
     (dict(growth_interval=2.5), ValueError, "got 2.5"),
     (
       dict(hysteresis=0),
       ValueError,
-      "hysteresis must be an integer >= 1, got 0",
+      "hysteresis must be an integer in [1, 2**31 - 1]",
     ),
     (
       dict(min_scale=2.0**20),
       ValueError,
-      "min_scale (1048576.0) must be <= init_scale",
+      "init_scale (32768.0) must be >= min_scale (1048576.0)",
     ),
-    (
-      dict(init_scale=0.0),
-      ValueError,
-      "init_scale must be finite and > 0, got 0.0",
-    ),
+    (dict(init_scale=0.0), ValueError, f"init_scale {RANGE}"),
     (dict(init_scale=-4.0), ValueError, "got -4.0"),
     (dict(init_scale=float("inf")), ValueError, "got inf"),
-    (dict(min_scale=0.0), ValueError, "min_scale must be finite and > 0"),
-    (dict(max_scale=2.0**10), ValueError, "must be <= max_loss_scale"),
+    (dict(min_scale=-1.0), ValueError, "or be 0 (the floor is then 2**-126)"),
+    (dict(max_scale=2.0**10), ValueError, "must be <= max_scale (1024.0)"),
     (
       dict(init_scale="big"),
       TypeError,
-      "init_scale must be a positive number, got 'big'",
+      "init_scale must be a real number, got 'big'",
     ),
     (dict(init_scale=True), TypeError, "got True"),
   ],
@@ -398,13 +399,80 @@ def test_invalid_settings_raise_clear_errors(kwargs, error, fragment):
   assert fragment in str(err.value)
 
 
-def test_non_float_loss_scales_are_rejected():
-  with pytest.raises(TypeError, match="floating array.*int32"):
-    jmp.DynamicLossScale(jnp.asarray(1, jnp.int32))
-  with pytest.raises(TypeError, match="positive number"):
+# Settings accepted before and then silently wrong (or, for hysteresis, a
+# crash naming no argument); now each error names the argument and the
+# value. adjust multiplies in float32, where 1 + 1e-9 rounds to 1 (the scale
+# would never grow) and 1 - 1e-9 to 1 (it would never back off); an int32
+# counter cannot count to 2**31; "no" is truthy.
+@pytest.mark.parametrize(
+  "kwargs,error,fragment",
+  [
+    (dict(growth_factor=1 + 1e-9), ValueError, "growth_factor must be > 1"),
+    (dict(backoff_factor=1 - 1e-9), ValueError, "backoff_factor must be in"),
+    (dict(growth_interval=2**31), ValueError, "got 2147483648"),
+    (dict(hysteresis=2**40), ValueError, "hysteresis must be an integer in"),
+    (
+      dict(consecutive_hysteresis="no"),
+      TypeError,
+      "consecutive_hysteresis must be True or False, got 'no'",
+    ),
+    (dict(consecutive_hysteresis=1), TypeError, "True or False, got 1"),
+    (dict(consecutive_hysteresis=None), TypeError, "True or False, got None"),
+    (dict(max_scale=2.0**127), ValueError, f"max_scale {RANGE}"),
+  ],
+)
+def test_settings_that_would_be_silently_wrong_are_refused(
+  kwargs, error, fragment
+):
+  with pytest.raises(error) as err:
+    jmp.dynamic_loss_scale(**kwargs)
+  assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+  "kwargs,error,fragment",
+  [
+    (dict(counter=-1), ValueError, "counter must lie in [0, 9]"),
+    (dict(counter=10), ValueError, "got 10"),
+    (dict(counter=jnp.float32(0)), TypeError, "counter must be an integer"),
+    (dict(counter=jnp.zeros(2, jnp.int32)), ValueError, "must be a scalar"),
+    (
+      dict(hysteresis=2, hysteresis_tracker=3),
+      ValueError,
+      "hysteresis_tracker must lie in [0, 2]",
+    ),
+    (
+      dict(hysteresis_tracker=jnp.int32(1)),
+      ValueError,
+      "only tracked with hysteresis > 1",
+    ),
+  ],
+)
+def test_bad_counters_are_refused(kwargs, error, fragment):
+  with pytest.raises(error) as err:
+    jmp.DynamicLossScale(jnp.float32(4.0), period=10, **kwargs)
+  assert fragment in str(err.value)
+
+
+def test_integer_scales_convert_with_jmps_warning():
+  # jmp warns and then crashes in adjust (jmp #47); ours warns and converts.
+  with pytest.warns(UserWarning, match="Expected floating type for loss_scale"):
+    ls = jmp.DynamicLossScale(jnp.asarray(2**10, jnp.int32), period=1)
+  assert ls.loss_scale.dtype == jnp.float32
+  assert float(ls.adjust(jnp.bool_(True)).loss_scale) == 2.0**11
+  with pytest.warns(UserWarning, match="for min_loss_scale, got int32"):
+    ls = jmp.DynamicLossScale(4.0, min_loss_scale=jnp.asarray(2, jnp.int32))
+  assert ls.min_loss_scale == 2.0 and type(ls.min_loss_scale) is float
+  for _ in range(3):
+    ls = ls.adjust(jnp.bool_(False))
+  assert float(ls.loss_scale) == 2.0
+
+
+def test_other_bad_loss_scale_inputs():
+  with pytest.raises(TypeError, match="loss_scale must be a real number"):
     jmp.StaticLossScale("1024")
-  with pytest.raises(ValueError, match="loss_scale must be finite and > 0"):
-    jmp.StaticLossScale(0)
+  with pytest.raises(TypeError, match="must be a float, got True"):
+    jmp.DynamicLossScale(True)
   with pytest.raises(ValueError, match="boolean scalar"):
     jmp.dynamic_loss_scale().adjust(jnp.ones(3, bool))
   # Float16 scales (jmp's README) become float32: no overflow at 2**16.
@@ -453,3 +521,231 @@ def test_select_tree(variant):
     jmp.select_tree(jnp.ones([1]), None, None)
   with pytest.raises(ValueError, match="one structure"):
     jmp.select_tree(jnp.bool_(True), {"a": 1.0}, {"b": 1.0})
+
+
+# Scales float32 cannot carry. Each was accepted before, and then every step
+# skipped forever (inf, NaN), the scale reached 0 (subnormal or negative
+# scales, a floor of 1e-40) or unscaling flushed every gradient to 0 (above
+# 2**126, 1/scale is subnormal). jmp's idiom passes JAX arrays, so concrete
+# arrays are checked like Python numbers.
+@pytest.mark.parametrize(
+  "build,error,fragment",
+  [
+    (lambda: jmp.DynamicLossScale(jnp.float32(np.inf)), ValueError, "inf"),
+    (lambda: jmp.DynamicLossScale(jnp.float32(np.nan)), ValueError, "nan"),
+    (lambda: jmp.DynamicLossScale(jnp.float32(-4.0)), ValueError, "-4.0"),
+    (
+      lambda: jmp.DynamicLossScale(jnp.float32(2.0**127)),
+      ValueError,
+      "loss_scale must lie in [2**-126, 2**126]",
+    ),
+    (
+      lambda: jmp.DynamicLossScale(jnp.float32(1e-40), min_loss_scale=2**-126),
+      ValueError,
+      "loss_scale must lie in [2**-126, 2**126]",
+    ),
+    (
+      lambda: jmp.StaticLossScale(1e39),
+      ValueError,
+      "loss_scale must lie in [2**-126, 2**126]",
+    ),
+    (lambda: jmp.StaticLossScale(2.0**127), ValueError, "got 1.7014"),
+    (lambda: jmp.StaticLossScale(1e-46), ValueError, "got 1e-46"),
+    (
+      lambda: jmp.mixed_precision(optax.sgd(0.1), loss_scale=1e-46),
+      ValueError,
+      "loss_scale must lie in [2**-126, 2**126] (about 1.2e-38 to 8.5e37",
+    ),
+    (
+      lambda: jmp.dynamic_loss_scale(init_scale=1e-40, min_scale=1e-40),
+      ValueError,
+      "min_scale must lie in [2**-126, 2**126] (about 1.2e-38",
+    ),
+    (
+      lambda: jmp.DynamicLossScale(jnp.float32(0.5), min_loss_scale=1.0),
+      ValueError,
+      "loss_scale (0.5) must be >= min_loss_scale (1.0)",
+    ),
+    (
+      lambda: jmp.DynamicLossScale(jnp.float32(8.0), max_loss_scale=4.0),
+      ValueError,
+      "loss_scale (8.0) must be <= max_loss_scale (4.0)",
+    ),
+    (
+      lambda: jmp.DynamicLossScale(jnp.full(2, 2.0**15)),
+      ValueError,
+      "loss_scale must be a scalar, got an array of shape (2,)",
+    ),
+    (
+      lambda: jax.eval_shape(lambda x: jmp.DynamicLossScale(x), jnp.ones(3)),
+      ValueError,
+      "loss_scale must be a scalar, got a traced array of shape (3,)",
+    ),
+  ],
+)
+def test_scales_float32_cannot_carry_are_refused(build, error, fragment):
+  with pytest.raises(error) as err:
+    build()
+  assert fragment in str(err.value)
+
+
+def _reference_trajectory(
+  init, finite_seq, *, period, factor, backoff, min_scale, max_scale, hysteresis
+):
+  """The DynamicLossScale docstring's rule in float64 NumPy (not our code)."""
+  ceiling = min(np.inf if max_scale is None else max_scale, 2.0**126)
+  floor = max(min_scale, 2.0**-126)
+  scale, counter, tracker = np.float64(init), 0, hysteresis
+  scales = []
+  for finite in finite_seq:
+    if finite:
+      counter += 1
+      if counter == period:
+        counter, tracker = 0, hysteresis
+        scale = min(scale * factor, ceiling)
+    else:
+      counter, tracker = 0, max(tracker - 1, 0)
+      if tracker == 0:
+        scale = max(scale * backoff, floor)
+    scales.append(scale)
+  return np.array(scales)
+
+
+@pytest.mark.parametrize(
+  "period,hysteresis,min_scale", [(1, 1, 0.0), (3, 2, 2.0**-100)]
+)
+def test_extreme_factors_stay_in_range_and_follow_the_rule(
+  period, hysteresis, min_scale
+):
+  # Bursts of 12 finite steps then 12 overflows: with factors 2**20 and
+  # 2**-20 every burst drives the scale into the ceiling or the floor.
+  rng = np.random.default_rng(3)
+  finite = np.concatenate(
+    [np.repeat(rng.random(40) < 0.5, 12), rng.random(520) < 0.5]
+  )
+  ls = jmp.DynamicLossScale(
+    jnp.float32(2.0**15),
+    period=period,
+    factor=2.0**20,
+    min_loss_scale=min_scale,
+    backoff_factor=2.0**-20,
+    hysteresis=hysteresis,
+  )
+  scales, _ = run_ours(ls, finite, jit=True)
+  want = _reference_trajectory(
+    2.0**15,
+    finite,
+    period=period,
+    factor=2.0**20,
+    backoff=2.0**-20,
+    min_scale=min_scale,
+    max_scale=None,
+    hysteresis=hysteresis,
+  )
+  np.testing.assert_array_equal(scales.astype(np.float64), want)
+  # Both bounds are reached, and never crossed.
+  assert scales.min() == max(min_scale, 2.0**-126)
+  assert scales.max() == 2.0**126
+  # Growth from the top stays there, and unscaling by it keeps gradients:
+  # 1/2**126 is a normal float32 that XLA does not flush (jmp and torch grow
+  # on to 2**127, whose reciprocal XLA flushes: every gradient becomes 0).
+  top = ls
+  for _ in range(7 * period):
+    top = top.adjust(jnp.bool_(True))
+  assert float(top.loss_scale) == 2.0**126
+  inv = np.float32(1.0) / np.float32(top.loss_scale)
+  assert inv >= np.finfo(np.float32).tiny  # normal
+  grads = jnp.array([1.0, 3.0 * 2.0**100], jnp.float32)
+  got = np.asarray(jax.jit(lambda s, g: s.unscale(g))(top, grads))
+  np.testing.assert_array_equal(got, np.array([1.0, 3.0 * 2.0**100]) / 2.0**126)
+  assert (got != 0).all()
+
+
+def test_min_loss_scale_zero_floors_at_2_126_never_0(variant):
+  # jmp accepts min_loss_scale=0; the scale must still never reach 0.
+  ls = jmp.DynamicLossScale(jnp.float32(2.0**-120), min_loss_scale=0.0)
+  assert ls.min_loss_scale == 0.0
+  adjust = variant(lambda s: s.adjust(jnp.bool_(False)))
+  scales = []
+  for _ in range(8):
+    ls = adjust(ls)
+    scales.append(float(ls.loss_scale))
+  assert (
+    scales
+    == [2.0**-121, 2.0**-122, 2.0**-123, 2.0**-124, 2.0**-125] + [2.0**-126] * 3
+  )
+  assert ls.min_loss_scale == 0.0
+
+
+def test_static_zero_builds_like_jmp_but_refuses_to_scale(variant):
+  ls = jmp.StaticLossScale(0)
+  assert jax.tree.leaves(ls) == [] and ls.loss_scale == 0.0
+  for method in (ls.scale, ls.unscale):
+    with pytest.raises(ValueError, match="a zero scale zeroes every gradient"):
+      variant(method)({"g": jnp.ones(2)})
+
+
+def test_hysteresis_1_flattens_to_jmps_two_leaves():
+  scale, counter = jnp.float32(4.0), jnp.zeros([], jnp.int32)
+  ls = jmp.DynamicLossScale(scale, counter, 10, 2, min_loss_scale=0.0)
+  leaves, treedef = jax.tree.flatten(ls)
+  assert leaves == [scale, counter] and ls.hysteresis_tracker is None
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(ls)]
+  assert paths == [".loss_scale", ".counter"]
+  back = jax.tree.unflatten(treedef, leaves)
+  assert back.min_loss_scale == 0.0 and back.period == 10
+  three = jmp.dynamic_loss_scale(hysteresis=3)
+  assert [
+    jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(three)
+  ] == [
+    ".loss_scale",
+    ".counter",
+    ".hysteresis_tracker",
+  ]
+  assert int(three.hysteresis_tracker) == 3
+
+
+def test_unflatten_does_not_validate_or_convert():
+  # JAX rebuilds states from tracers, shardings and placeholders: those go in
+  # as they are; only a user's constructor call is checked.
+  ls = jmp.dynamic_loss_scale(hysteresis=2)
+  treedef = jax.tree.structure(ls)
+  odd = [np.float32(-1.0), np.float64(0.5), "budget"]
+  back = jax.tree.unflatten(treedef, odd)
+  assert [back.loss_scale, back.counter, back.hysteresis_tracker] == odd
+  assert back.loss_scale is odd[0]
+
+
+def test_float_period_and_array_settings_like_jmp():
+  # jmp's tests pass period=5.0 and min_loss_scale as a JAX array.
+  ls = jmp.DynamicLossScale(
+    jnp.float32(10.0), jnp.int32(0), 5.0, 2.0, jnp.asarray(0.3125)
+  )
+  assert ls.period == 5 and type(ls.period) is int
+  assert ls.min_loss_scale == 0.3125 and type(ls.min_loss_scale) is float
+  for _ in range(5):
+    ls = ls.adjust(jnp.bool_(True))
+  assert float(ls.loss_scale) == 20.0 and int(ls.counter) == 0
+
+
+def test_select_tree_raises_jmps_assertion_error():
+  for error in (AssertionError, ValueError):
+    with pytest.raises(error, match="expected boolean scalar"):
+      jmp.select_tree(jnp.ones([1]), None, None)
+
+
+def test_complex_leaves_are_scaled_and_checked(variant):
+  # jmp multiplies every leaf; skipping complex gradients left them scaled.
+  rng = np.random.default_rng(5)
+  z = (rng.standard_normal(6) + 1j * rng.standard_normal(6)) * 2.0**10
+  tree = {"z": jnp.asarray(z, jnp.complex64), "i": jnp.int32(3)}
+  for ls in (jmp.StaticLossScale(2.0**10), jmp.dynamic_loss_scale(2.0**10)):
+    out = variant(ls.unscale)(tree)
+    assert out["z"].dtype == jnp.complex64 and int(out["i"]) == 3
+    want = z.astype(np.complex64) / np.complex64(2.0**10)  # exact: 2**-10
+    np.testing.assert_array_equal(np.asarray(out["z"]), want)
+    back = variant(ls.scale)(out)
+    np.testing.assert_array_equal(np.asarray(back["z"]), z.astype(np.complex64))
+  bad = tree["z"].at[2].set(complex(1.0, np.nan))
+  assert not bool(variant(jmp.all_finite)({"z": bad}))
+  assert bool(variant(jmp.all_finite)(tree))

@@ -232,3 +232,81 @@ def test_cast_to_full_and_half_like_jmp():
   assert halved["f"].dtype == half and halved["h"] is tree["h"]
   assert halved["i"] is tree["i"]
   assert jmp_train.cast_floating(tree, jnp.bfloat16)["f"].dtype == jnp.bfloat16
+
+
+# jmp code uses a policy's dtypes as jnp scalar types.
+BY_JNP_TYPE = {
+  jnp.float16: "float16",
+  jnp.bfloat16: "bfloat16",
+  jnp.float32: "float32",
+}
+
+
+@pytest.mark.parametrize(
+  "given,want",
+  [
+    (np.float16, jnp.float16),
+    (np.dtype("float16"), jnp.float16),
+    ("f16", jnp.float16),
+    (jnp.float16, jnp.float16),
+    (ml_dtypes.bfloat16, jnp.bfloat16),
+    (np.dtype(jnp.bfloat16), jnp.bfloat16),
+    ("bfloat16", jnp.bfloat16),
+    (np.float32, jnp.float32),
+    (np.dtype("float32"), jnp.float32),
+    ("full", jnp.float32),
+  ],
+)
+def test_policy_dtypes_are_jnp_scalar_types_like_jmp(given, want):
+  policy = jmp.Policy(given, given, given)
+  for dtype in (policy.param_dtype, policy.compute_dtype, policy.output_dtype):
+    assert dtype is want
+    scalar = dtype(1.5)
+    assert scalar.dtype == np.dtype(want) and float(scalar) == 1.5
+    # jmp code keys tables by jnp types; np.dtype("float16") would miss.
+    assert BY_JNP_TYPE[dtype] == np.dtype(want).name
+    assert dtype.__name__ == np.dtype(want).name
+  assert jmp.get_policy(str(policy)).compute_dtype is want
+  assert policy.with_output_dtype(given).output_dtype is want
+
+
+@pytest.mark.parametrize(
+  "bad,error,fragment",
+  [
+    (None, TypeError, "got None"),  # np.dtype(None) is float64
+    (float, TypeError, "the builtin float"),  # float64 in NumPy, f32 in JAX
+    (jnp.ones(3), TypeError, "param_dtype must be a floating dtype"),
+    (
+      jax.ShapeDtypeStruct((), jnp.float32),
+      TypeError,
+      "param_dtype must be a floating dtype",
+    ),
+  ],
+)
+def test_policy_refuses_what_is_not_a_dtype(bad, error, fragment):
+  with pytest.raises(error) as err:
+    jmp.Policy(bad, "f32", "f32")
+  assert fragment in str(err.value) and "param_dtype" in str(err.value)
+  with pytest.raises(error, match="output_dtype"):
+    jmp.get_policy("f32").with_output_dtype(bad)
+
+
+def test_dtype_to_names_drives_str_like_jmp():
+  # jmp's test_str: each part of str(policy) is dtype_to_names[dtype][0];
+  # np.float16 and jnp.float16 find the same entry.
+  names = jmp.dtype_to_names
+  for dtype in (np.float16, jnp.float16, jnp.bfloat16, np.float32, jnp.float32):
+    policy = jmp.Policy(dtype, dtype, dtype)
+    parts = [part.split("=")[1] for part in str(policy).split(",")]
+    assert parts == [names[dtype][0]] * 3
+    assert parts[0] == np.dtype(dtype).name  # our full names, not "full"
+  for dtype, aliases in names.items():
+    for alias in aliases:
+      assert jmp.get_policy(alias).param_dtype is dtype
+  with pytest.raises(TypeError):
+    names[jnp.float16] = ("half",)  # read-only: str() and parsing rely on it
+
+
+def test_cast_floating_refuses_none():
+  with pytest.raises(TypeError, match="dtype is None"):
+    jmp_train.cast_floating({"a": jnp.ones(2)}, None)

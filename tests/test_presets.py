@@ -82,7 +82,7 @@ def test_preset_optimizer_keeps_masters_exactly_for_low_precision_params(name):
   tx = preset.mixed_precision(optax.sgd(1e-4))
   state = tx.init(params)
   has_master = not isinstance(state.master_params["w"], optax.MaskedNode)
-  assert has_master == (preset.policy.param_dtype.itemsize < 4)
+  assert has_master == (np.dtype(preset.policy.param_dtype).itemsize < 4)
   scale = jmp_train.current_loss_scale(state)
   grads = {
     "w": (jnp.ones(3) * scale).astype(params["w"].dtype),
