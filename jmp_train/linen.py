@@ -7,8 +7,13 @@
   (the policy's, or its class override's), and is cast to that module's
   compute dtype each time the module reads it with `self.param` (also in
   user-written modules that then call `jnp` directly);
+- every module's float `dtype` and `param_dtype` fields, and those of a
+  dataclass field such as a `config` carrying them, read as its policy's
+  compute and param dtypes (Flax's own examples pass `dtype=jnp.float32` to
+  every layer; `promote_dtype` would otherwise cast back to it);
 - the wrapped module's float inputs are cast to the compute dtype and its
-  float outputs to the output dtype;
+  float outputs to the output dtype, for `__call__` and its other methods
+  (`apply(..., method="encode")`); other arguments pass by reference;
 - modules whose class has an override (by default LayerNorm, RMSNorm,
   BatchNorm and GroupNorm: float32 params and compute) get their inputs cast
   to the override's compute dtype and their outputs back to the enclosing
@@ -16,30 +21,39 @@
 - float variables in other collections (batch_stats, ...) keep the dtype they
   were created with.
 
-`init` runs the model exactly as written (so initialisers, shapes and scan
-carries are the model's own) and then stores each param in its owner's param
-dtype. Gradients flow back through the casts, so they come back in the
-params' dtype.
+`init` runs the model twice. First exactly as written, so initialisers,
+shapes and values are the model's own; each param is then stored in its
+owner's param dtype. Then under the policy, which creates the other
+collections again, so a decode cache comes out in the dtype apply computes
+in; they keep the first run's values. Gradients flow back through the casts,
+so they come back in the params' dtype.
 
 How: a method interceptor (`nn.intercept_methods`) tracks which module is
-running and under which policy, and `nn.map_variables` hands the model its
-params inside a small `AxisMetadata` box whose `unbox()` (called by
-`self.param`) casts to the running module's compute dtype.
+running and under which policy, and sets the dtype fields of each module's
+per-apply bound clone before its first method (`setup` included) runs; and
+`nn.map_variables` hands the model its params inside a small `AxisMetadata`
+box whose `unbox()` (called by `self.param`) casts to the running module's
+compute dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
+import inspect
 import threading
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
+from flax.nnx import graph as nnx_graph
 
 from jmp_train import fp8 as fp8_lib
 from jmp_train import policy as policy_lib
@@ -59,6 +73,7 @@ class _Frame(NamedTuple):
   creating: bool  # init's first pass: run as written, record param owners
   fp8: fp8_lib.Fp8Recipe | None = None  # FP8 matmuls here, with this recipe
   fp8_exclude: tuple = ()  # module classes and name patterns kept out of FP8
+  set_dtype_fields: bool = True  # modules' dtype fields follow the policy
 
 
 class _Context(threading.local):
@@ -68,6 +83,115 @@ class _Context(threading.local):
 
 
 _CTX = _Context()
+
+# The floating dtypes a policy names: only dtype fields holding one of these
+# follow the policy (None, integer and float8 settings are left alone).
+_POLICY_FLOATS = frozenset(
+  np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+)
+
+
+def _policy_float(value: Any) -> np.dtype | None:
+  """`value` as a NumPy dtype if it names a policy float dtype, else None."""
+  if not isinstance(value, (type, np.dtype, str)):
+    return None  # None, arrays and other objects are not dtype settings
+  try:
+    dtype = np.dtype(jnp.dtype(value))
+  except (TypeError, ValueError):
+    return None
+  return dtype if dtype in _POLICY_FLOATS else None
+
+
+def _dtype_field_updates(obj: Any, policy: policy_lib.Policy) -> dict:
+  """The `dtype`/`param_dtype` fields of dataclass `obj` that `policy` sets."""
+  wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+  updates = {}
+  for field in dataclasses.fields(obj):
+    if field.name in wanted and field.init:
+      current = _policy_float(getattr(obj, field.name))
+      if current is not None and current != np.dtype(wanted[field.name]):
+        updates[field.name] = wanted[field.name]
+  return updates
+
+
+def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
+  """Fields of `module` to replace so that it runs under `policy`.
+
+  Its float `dtype` and `param_dtype` fields, and those of a dataclass field
+  carrying them (a config such as lm1b's `TransformerConfig`, replaced with
+  `dataclasses.replace`); submodules are left to their own turn.
+  """
+  updates = _dtype_field_updates(module, policy)
+  for field in dataclasses.fields(module):
+    value = getattr(module, field.name, None)
+    if (
+      field.name in ("parent", "name")
+      or field.name in updates
+      or isinstance(value, (nn.Module, type))
+      or not dataclasses.is_dataclass(value)
+    ):
+      continue
+    config_updates = _dtype_field_updates(value, policy)
+    if config_updates:
+      updates[field.name] = dataclasses.replace(value, **config_updates)
+  return updates
+
+
+def _cast_arrays(tree: Any, dtype: Any) -> Any:
+  """`tree` with its float arrays cast to `dtype`; objects pass by reference.
+
+  NNX graph nodes (modules, `Rngs`, `Variable`s) are not looked into: they
+  are returned as they are, so in-place updates reach the caller's object.
+  A tree with nothing to cast is returned itself, not a rebuilt copy.
+  """
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=nnx_graph.is_graph_node)
+  cast = [
+    x if nnx_graph.is_graph_node(x) else policy_lib.cast_floating(x, dtype)
+    for x in leaves
+  ]
+  if all(a is b for a, b in zip(cast, leaves, strict=True)):
+    return tree
+  return jax.tree.unflatten(treedef, cast)
+
+
+def _cast_call(args: tuple, kwargs: dict, dtype: Any) -> tuple[tuple, dict]:
+  """Casts call arguments one by one (see `_cast_arrays`).
+
+  An argument with no float array to cast (a config, an `nnx.Rngs`, a
+  callable) is passed on as the same object.
+  """
+  return (
+    tuple(_cast_arrays(a, dtype) for a in args),
+    {k: _cast_arrays(v, dtype) for k, v in kwargs.items()},
+  )
+
+
+class _ByReference:
+  """Carries one call argument across `nn.map_variables` as it is.
+
+  Flax rebuilds the arguments of its lifted transforms as pytrees, to re-bind
+  the linen Modules and Variables among them; that would copy an `nnx.Rngs`,
+  an `nnx.Variable` or a list the module appends to. Arguments holding no
+  linen Module or Variable cross inside this box (a pytree leaf) instead.
+  """
+
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+
+def _is_linen_object(x: Any) -> bool:
+  return isinstance(x, (nn.Module, nn.Variable))
+
+
+def _box(x: Any) -> Any:
+  leaves = jax.tree.leaves(x, is_leaf=_is_linen_object)
+  return x if any(map(_is_linen_object, leaves)) else _ByReference(x)
+
+
+def _unbox(x: Any) -> Any:
+  return x.value if isinstance(x, _ByReference) else x
 
 
 @flax.struct.dataclass
@@ -153,6 +277,11 @@ def _interceptor(next_fun, args, kwargs, context):
   outer = frames[-1]
   override = _find_override(module, outer.overrides)
   policy = override.policy if override else outer.policy
+  if outer.set_dtype_fields and not outer.creating:
+    # Before the module's first method (setup included) reads them. `module`
+    # is this apply's bound clone, so the user's module is never changed.
+    for name, value in _effective_fields(module, policy).items():
+      object.__setattr__(module, name, value)
   recipe = outer.fp8
   if recipe is not None and _fp8_excluded(module, outer.fp8_exclude):
     recipe = None
@@ -165,36 +294,112 @@ def _interceptor(next_fun, args, kwargs, context):
   try:
     if override is None or outer.creating:
       return call(*args, **kwargs)
-    out = call(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+    args, kwargs = _cast_call(args, kwargs, policy.compute_dtype)
+    out = call(*args, **kwargs)
   finally:
     frames.pop()
   if override.output_to_enclosing:
-    return policy_lib.cast_floating(out, outer.policy.compute_dtype)
-  return policy.cast_to_output(out)
+    return _cast_arrays(out, outer.policy.compute_dtype)
+  return _cast_arrays(out, policy.output_dtype)
 
 
 def _path_keys(path) -> tuple[str, ...]:
   return tuple(str(getattr(k, "key", k)) for k in path)
 
 
+def _calls_inner(method: str | Any):
+  """A `_Wrapped` method running the inner module's `method` under it."""
+
+  def call(wrapped, *args, **kwargs):
+    return wrapped._run(method, *args, **kwargs)
+
+  return call
+
+
 class _Wrapped(nn.Module):
-  """`module` run under `policy`; built by `wrap`."""
+  """`module` run under `policy`; built by `wrap`.
+
+  The inner module's fields read through (`wrapped.num_classes`), its `dtype`
+  and `param_dtype` fields (and a config's) as the policy sets them; its
+  methods run under the policy (`wrapped.encode(x)`, `apply(...,
+  method="encode")`, `method=Inner.encode`).
+  """
 
   module: nn.Module
   policy: policy_lib.Policy
   overrides: tuple[_Override, ...]
   fp8: fp8_lib.Fp8Recipe | None = None
   fp8_exclude: tuple = ()
+  respect_dtype_fields: bool = False
 
   def setup(self):
     nn.share_scope(self, self.module)
 
   def __call__(self, *args, **kwargs):
+    return self._run("__call__", *args, **kwargs)
+
+  @nn.nowrap
+  def __getattr__(self, name: str) -> Any:
+    try:
+      return nn.Module.__getattr__(self, name)
+    except AttributeError:
+      inner = self.__dict__.get("module")
+      if name.startswith("_") or inner is None:
+        raise
+    fields = {f.name for f in dataclasses.fields(inner)} - {"parent", "name"}
+    if name in fields:
+      value = getattr(inner, name)
+      if self.respect_dtype_fields:
+        return value
+      override = _find_override(inner, self.overrides)
+      policy = override.policy if override else self.policy
+      return _effective_fields(inner, policy).get(name, value)
+    if inspect.isfunction(inspect.getattr_static(type(inner), name, None)):
+      return types.MethodType(_calls_inner(name), self)
+    raise AttributeError(
+      f"{type(inner).__name__!r} wrapped by jmp_train.linen.wrap has no field "
+      f"or method {name!r} (fields and methods read through; properties and "
+      "attributes defined in setup do not)."
+    )
+
+  @nn.nowrap
+  def _inner_method(self, method: Any) -> Any:
+    """`apply`'s `method`, a function of the inner class made to run on it.
+
+    `method=Inner.encode` would otherwise get the wrapper as `self`.
+    """
+    fn = method
+    if inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module):
+      fn = fn.__func__
+    name = getattr(fn, "__name__", None)
+    if isinstance(method, str) or name is None:
+      return method
+    if not any(vars(k).get(name) is fn for k in type(self.module).__mro__):
+      return method  # a wrapper method, or a function given the wrapper
+    return None if name == "__call__" else _calls_inner(fn)
+
+  @nn.nowrap
+  def apply(self, variables, *args, method=None, **kwargs):
+    """`flax.linen.Module.apply`; `method` may name the inner module's."""
+    return super().apply(
+      variables, *args, method=self._inner_method(method), **kwargs
+    )
+
+  @nn.nowrap
+  def init_with_output(self, rngs, *args, method=None, **kwargs):
+    """`flax.linen.Module.init_with_output` (and so `init`), as `apply`."""
+    return super().init_with_output(
+      rngs, *args, method=self._inner_method(method), **kwargs
+    )
+
+  def _run(self, method: str | Any, *args, **kwargs):
+    """Runs the inner module's `method` (a name or a function) under it."""
     initializing = self.is_initializing()
-    incoming: dict[tuple[str, ...], np.dtype] = {}
+    incoming: dict[tuple[str, ...], Any] = {}
+    as_written: dict[tuple[str, ...], Any] = {}  # init's first-pass variables
     mapped = [False]
 
-    def owner_dtype(keys: tuple[str, ...]) -> np.dtype:
+    def owner_dtype(keys: tuple[str, ...]) -> Any:
       for end in range(len(keys) - 1, -1, -1):
         dtype = _CTX.owners.get(self.path + keys[:end])
         if dtype is not None:
@@ -203,6 +408,12 @@ class _Wrapped(nn.Module):
 
     def map_in(variables):
       mapped[0] = True
+      if initializing:
+        # init's second pass, under the policy, creates the other collections
+        # again (a decode cache must not exist yet, and must come out in the
+        # dtype apply computes in); map_out then gives them the first pass's
+        # values.
+        variables = {k: v for k, v in variables.items() if k == "params"}
 
       def record_and_box(path, x):
         keys = _path_keys(path)
@@ -215,6 +426,8 @@ class _Wrapped(nn.Module):
       )
 
     def map_out(variables):
+      first_pass = initializing and not mapped[0]
+
       def restore(path, x):
         x = x.value if _is_box(x) else x
         keys = _path_keys(path)
@@ -222,6 +435,14 @@ class _Wrapped(nn.Module):
           return policy_lib.cast_floating(x, incoming[keys])
         if keys[0] == "params":
           return policy_lib.cast_floating(x, owner_dtype(keys[1:]))
+        if first_pass:
+          as_written[keys] = x
+        elif keys in as_written and np.shape(as_written[keys]) == np.shape(x):
+          # The value the model as written gives it (a random draw, a count
+          # of calls), in the dtype the policy run created it with.
+          if getattr(x, "dtype", None) in _POLICY_FLOATS:
+            return policy_lib.cast_floating(as_written[keys], x.dtype)
+          return as_written[keys]
         return x
 
       return jax.tree_util.tree_map_with_path(
@@ -229,19 +450,25 @@ class _Wrapped(nn.Module):
       )
 
     def body(mdl, *args, **kwargs):
+      args = tuple(map(_unbox, args))
+      kwargs = {k: _unbox(v) for k, v in kwargs.items()}
       creating = initializing and not mapped[0]
       _CTX.frames.append(
         _Frame(
-          self.policy, self.overrides, creating, self.fp8, self.fp8_exclude
+          self.policy,
+          self.overrides,
+          creating,
+          self.fp8,
+          self.fp8_exclude,
+          not self.respect_dtype_fields,
         )
       )
       try:
-        if creating:
-          return mdl.module(*args, **kwargs)
-        return mdl.module(
-          *self.policy.cast_to_compute(args),
-          **self.policy.cast_to_compute(kwargs),
-        )
+        if not creating:
+          args, kwargs = _cast_call(args, kwargs, self.policy.compute_dtype)
+        if isinstance(method, str):
+          return getattr(mdl.module, method)(*args, **kwargs)
+        return method(mdl.module, *args, **kwargs)
       finally:
         _CTX.frames.pop()
 
@@ -253,6 +480,8 @@ class _Wrapped(nn.Module):
       init=initializing,
       mutable=True,
     )
+    args = tuple(map(_box, args))
+    kwargs = {k: _box(v) for k, v in kwargs.items()}
     outermost = not _CTX.frames
     if outermost:
       _CTX.owners.clear()
@@ -260,7 +489,7 @@ class _Wrapped(nn.Module):
         out = run(self, *args, **kwargs)
     else:
       out = run(self, *args, **kwargs)
-    return self.policy.cast_to_output(out)
+    return _cast_arrays(out, self.policy.output_dtype)
 
 
 def wrap(
@@ -270,8 +499,25 @@ def wrap(
   *,
   fp8: fp8_lib.Fp8Recipe | bool | None = None,
   fp8_exclude: Iterable[str | type] = (),
+  respect_dtype_fields: bool = False,
 ) -> nn.Module:
   """Returns `module` running under `policy`, with per-class overrides.
+
+  Under the policy every module computes in its compute dtype and stores its
+  params in its param dtype, whatever its own fields say: a float `dtype` or
+  `param_dtype` field (Flax's ResNet and Transformer examples pass
+  `dtype=jnp.float32` to every layer), and those of a dataclass field such as
+  a `config` carrying them, read as the policy's (the override's, for an
+  overridden module) in every method, `setup` included, so `x.astype(
+  self.dtype)` and `nn.make_attention_mask(..., dtype=config.dtype)` follow
+  it too. None and non-float values are left alone. `init` first runs the
+  model as written, so params get the model's own initial values, then runs
+  it under the policy, which creates the other collections (an attention
+  decode cache comes out in the compute dtype).
+
+  Float arrays among the call arguments are cast to the compute dtype; other
+  arguments (NNX `Rngs` and `Variable`s, configs, callables) pass through by
+  reference.
 
   Args:
     module: any flax.linen module (an unbound instance).
@@ -289,13 +535,21 @@ def wrap(
     fp8_exclude: modules kept out of FP8, with everything inside them: module
       classes, or glob patterns matched against a module's name and its
       "/"-joined path (e.g. `"head"`, `"*/attention/*"`).
+    respect_dtype_fields: keep the modules' own `dtype`/`param_dtype` fields
+      (the behaviour before they followed the policy): a layer built with
+      `dtype=jnp.float32` then computes in float32, since Flax casts its
+      inputs and params back. Params are still stored in the param dtype.
 
   Returns:
-    A linen module whose variables have the structure of `module`'s. Call it
-    (or `init`/`apply` it) as you would `module`; only `__call__` is wrapped.
+    A linen module whose variables have the structure of `module`'s. Call it,
+    `init` it and `apply` it as you would `module`, other methods included
+    (`method="encode"`, `method=Model.encode`, `wrapped.encode(x)` from a
+    parent): each runs under the policy. Its fields read through
+    (`wrapped.num_classes`); `dtype` and `param_dtype` read as the policy sets
+    them, `wrapped.module.dtype` as the module was written.
 
   Example:
-    >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_train
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, numpy as np, jmp_train
     >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
     >>> wrapped = jmp_train.linen.wrap(model, "params=bfloat16,compute=bfloat16,output=float32")
     >>> variables = wrapped.init(jax.random.key(0), jnp.ones((1, 4)))
@@ -305,6 +559,9 @@ def wrap(
     dtype(bfloat16)
     >>> wrapped.apply(variables, jnp.ones((1, 4))).dtype
     dtype('float32')
+    >>> dense = jmp_train.linen.wrap(nn.Dense(2, dtype=jnp.float32), "p=f32,c=bf16,o=f32")
+    >>> dense.features, np.dtype(dense.dtype).name, dense.module.dtype.__name__
+    (2, 'bfloat16', 'float32')
   """
   if not isinstance(module, nn.Module):
     raise TypeError(f"wrap expects a flax.linen Module, got {module!r}.")
@@ -349,4 +606,5 @@ def wrap(
     overrides=tuple(table.values()),
     fp8=fp8 or None,
     fp8_exclude=fp8_exclude,
+    respect_dtype_fields=bool(respect_dtype_fields),
   )

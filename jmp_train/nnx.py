@@ -6,12 +6,18 @@ Its variables keep their structure, and afterwards:
 
 - every float `nnx.Param` is stored in the param dtype of the module that owns
   it (the policy's, or its class override's);
+- every module's float `dtype` and `param_dtype` attributes (and those of a
+  dataclass attribute such as a `config` carrying them) are its owner's
+  policy's compute and param dtypes, so a layer built with
+  `dtype=jnp.float32` computes in the compute dtype;
 - while the model runs, every float param reads as the running module's
   compute dtype (`self.w.value`, `self.w[...]`, in built-in layers and in
   user-written modules that call `jnp` directly), and gradients flow back
   through the cast, so they come back in the params' dtype;
 - the model's float inputs are cast to the compute dtype and its float outputs
-  to the output dtype;
+  to the output dtype, for `__call__` and for its other methods called from
+  outside (`model.encode(x)`); other arguments (`nnx.Rngs`, `nnx.Variable`s,
+  modules) pass through by reference;
 - modules whose class has an override (by default LayerNorm, RMSNorm,
   BatchNorm and GroupNorm: float32 params and compute) get their inputs cast
   to the override's compute dtype and their outputs back to the enclosing
@@ -19,7 +25,7 @@ Its variables keep their structure, and afterwards:
 - other variables (`nnx.BatchStat`, RNG state, counters) keep their dtypes.
 
 How: the model's class, and the class of each overridden module inside it, is
-swapped for a cached subclass whose `__call__` applies the policy, and each
+swapped for a cached subclass whose public methods apply the policy, and each
 float param's class for a cached subclass of its own (still an `nnx.Param`)
 whose `get_value` casts to the running module's compute dtype while a wrapped
 call is running, like linen's `self.param`. Nothing is mutated during a call,
@@ -29,12 +35,18 @@ so `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.grad`, `nnx.Optimizer` and plain
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import threading
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax.nnx import graph as nnx_graph
 
 from jmp_train import policy as policy_lib
 
@@ -46,6 +58,14 @@ DEFAULT_FLOAT32_MODULES = (
 )
 
 _CONFIG = "_jmp_train_policy"
+# A module's dtype attributes as written, for a later wrap: ((name, value), ...)
+_ORIGINAL_DTYPES = "_jmp_train_dtypes"
+
+# The floating dtypes a policy names: only dtype attributes holding one of
+# these follow the policy (None, integer and float8 settings are left alone).
+_POLICY_FLOATS = frozenset(
+  np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+)
 
 
 class _Config(NamedTuple):
@@ -59,6 +79,7 @@ class _Config(NamedTuple):
 class _Context(threading.local):
   def __init__(self):
     self.policies: list[policy_lib.Policy] = []  # running modules' policies
+    self.modules: list[nnx.Module] = []  # the converted modules running
 
 
 _CTX = _Context()
@@ -72,52 +93,156 @@ def _find_override(module: nnx.Module, overrides) -> tuple | None:
   return None
 
 
-def _param_policies(model: nnx.Module) -> dict[int, tuple]:
-  """Maps id(param) -> (param, its owner's policy), for every float param.
+def _owners(model: nnx.Module) -> tuple[list, list]:
+  """Each module's and each float param's owner config.
 
-  The owner's policy is that of the nearest enclosing module (itself
-  included) converted by `wrap`: the root's, an override's or an inner
-  `wrap`'s.
+  The owner is the nearest enclosing module (itself included) converted by
+  `wrap`: the root's, an override's or an inner `wrap`'s.
+
+  Returns:
+    `(modules, params)`: a list of (module, owner config, whether an inner
+    wrap encloses it) and a list of (param, owner config), each node once.
   """
-  by_path: dict[tuple, policy_lib.Policy] = {}
+  configs: dict[tuple, _Config] = {}
+  modules: dict[int, tuple] = {}
   params: dict[int, tuple] = {}
   for path, node in nnx.iter_graph(model):
+    path = tuple(path)
     if isinstance(node, nnx.Module):
       config = getattr(node, _CONFIG, None)
       if config is not None:
-        by_path[tuple(path)] = config.policy
+        configs[path] = config
+      modules.setdefault(id(node), (node, path))
     elif isinstance(node, nnx.Param) and policy_lib._is_castable(
       node.get_value()
     ):
-      params.setdefault(id(node), (node, tuple(path)))
-  found: dict[int, tuple] = {}
-  for key, (param, path) in params.items():
-    owner = next(
-      by_path[path[:end]]
-      for end in range(len(path) - 1, -1, -1)
-      if path[:end] in by_path
+      params.setdefault(id(node), (node, path))
+
+  def owner(path: tuple, end: int) -> _Config:
+    return next(
+      configs[path[:e]] for e in range(end, -1, -1) if path[:e] in configs
     )
-    found[key] = (param, owner)
-  return found
+
+  def in_inner_wrap(path: tuple) -> bool:
+    return any(
+      path[:e] in configs and configs[path[:e]].is_root
+      for e in range(1, len(path) + 1)
+    )
+
+  return (
+    [(m, owner(p, len(p)), in_inner_wrap(p)) for m, p in modules.values()],
+    [(v, owner(p, len(p) - 1)) for v, p in params.values()],
+  )
 
 
-def _converted_call(self, *args, **kwargs):
+def _policy_float(value: Any) -> np.dtype | None:
+  """`value` as a NumPy dtype if it names a policy float dtype, else None."""
+  if not isinstance(value, (type, np.dtype, str)):
+    return None  # None, arrays and other objects are not dtype settings
+  try:
+    dtype = np.dtype(jnp.dtype(value))
+  except (TypeError, ValueError):
+    return None
+  return dtype if dtype in _POLICY_FLOATS else None
+
+
+def _dtype_updates(values: Mapping[str, Any], policy) -> dict[str, Any]:
+  """The float `dtype`/`param_dtype` entries of `values` that `policy` sets."""
+  wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+  return {
+    name: wanted[name]
+    for name, value in values.items()
+    if name in wanted
+    and (current := _policy_float(value)) is not None
+    and current != np.dtype(wanted[name])
+  }
+
+
+def _set_dtype_attributes(module: nnx.Module, policy) -> None:
+  """Gives `module` the dtype attributes it has as written, then `policy`'s.
+
+  With `policy` None, only the attributes as written are restored.
+  """
+  if _ORIGINAL_DTYPES in vars(module):
+    for name, value in getattr(module, _ORIGINAL_DTYPES):
+      setattr(module, name, value)
+    object.__delattr__(module, _ORIGINAL_DTYPES)
+  if policy is None:
+    return
+  attributes = vars(module)
+  updates = _dtype_updates(attributes, policy)
+  for name, value in attributes.items():
+    if (
+      name.startswith("_pytree__")
+      or name in updates
+      or isinstance(value, type)
+      or not dataclasses.is_dataclass(value)
+      or nnx_graph.is_graph_node(value)
+    ):
+      continue
+    fields = {
+      f.name: getattr(value, f.name)
+      for f in dataclasses.fields(value)
+      if f.init
+    }
+    config_updates = _dtype_updates(fields, policy)
+    if config_updates:  # a config carrying dtypes, read at call time
+      updates[name] = dataclasses.replace(value, **config_updates)
+  originals = tuple((name, attributes[name]) for name in sorted(updates))
+  for name, value in updates.items():
+    setattr(module, name, value)
+  if originals:
+    object.__setattr__(module, _ORIGINAL_DTYPES, originals)
+
+
+def _cast_arrays(tree: Any, dtype: Any) -> Any:
+  """`tree` with its float arrays cast to `dtype`; objects pass by reference.
+
+  NNX graph nodes (modules, `Rngs`, `Variable`s) are not looked into: they
+  are returned as they are, so an `nnx.Rngs` advances and a `Variable`'s
+  in-place update reaches the caller. A tree with nothing to cast is
+  returned itself, not a rebuilt copy.
+  """
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=nnx_graph.is_graph_node)
+  cast = [
+    x if nnx_graph.is_graph_node(x) else policy_lib.cast_floating(x, dtype)
+    for x in leaves
+  ]
+  if all(a is b for a, b in zip(cast, leaves, strict=True)):
+    return tree
+  return jax.tree.unflatten(treedef, cast)
+
+
+def _run(self, base, args, kwargs):
+  """Calls `base`, a method of converted module `self`, under its policy."""
   config: _Config = getattr(self, _CONFIG)
   policy, policies = config.policy, _CTX.policies
-  base_call = super(type(self), self).__call__
   if not policies and not config.is_root:
-    return base_call(*args, **kwargs)  # an inner module, called on its own
+    return base(*args, **kwargs)  # an inner module, called on its own
+  if any(m is self for m in _CTX.modules):
+    return base(*args, **kwargs)  # one of its methods calls another
   enclosing = policies[-1].compute_dtype if policies else None
+  args = tuple(_cast_arrays(a, policy.compute_dtype) for a in args)
+  kwargs = {k: _cast_arrays(v, policy.compute_dtype) for k, v in kwargs.items()}
   policies.append(policy)
+  _CTX.modules.append(self)
   try:
-    out = base_call(
-      *policy.cast_to_compute(args), **policy.cast_to_compute(kwargs)
-    )
+    out = base(*args, **kwargs)
   finally:
     policies.pop()
+    _CTX.modules.pop()
   if config.output_to_enclosing and enclosing is not None:
-    return policy_lib.cast_floating(out, enclosing)
-  return policy.cast_to_output(out)
+    return _cast_arrays(out, enclosing)
+  return _cast_arrays(out, policy.output_dtype)
+
+
+def _policy_method(name: str, fn):
+  """Method `name` of a module class (`fn`), run under the module's policy."""
+
+  def method(self, *args, **kwargs):
+    return _run(self, getattr(super(type(self), self), name), args, kwargs)
+
+  return functools.wraps(fn)(method) if fn is not None else method
 
 
 def _cast_on_read(self, **kwargs):
@@ -128,25 +253,41 @@ def _cast_on_read(self, **kwargs):
   return policy_lib.cast_floating(value, policies[-1].compute_dtype)
 
 
+def _public_methods(cls: type) -> dict[str, Any]:
+  """`__call__` and the public methods `cls` adds to `nnx.Module`'s."""
+  base = set(nnx.Module.__mro__)
+  methods: dict[str, Any] = {"__call__": None}
+  for klass in cls.__mro__:
+    if klass in base:
+      continue
+    for name, attr in vars(klass).items():
+      if inspect.isfunction(attr) and (
+        name == "__call__" or not name.startswith("_")
+      ):
+        if methods.get(name) is None:
+          methods[name] = attr
+  return methods
+
+
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _subclass(cls: type, method: str, fn) -> type:
-  """`cls` with `method` replaced by `fn`; one cached class per (cls, method).
+def _subclass(cls: type, kind: str, methods: Mapping[str, Any]) -> type:
+  """`cls` with `methods` replaced; one cached class per (cls, kind).
 
   Same name, module and slots, so the instance's class can be swapped and
   graphdefs (which record the class) stay equal across wraps.
   """
-  if getattr(cls, "_jmp_train_replaces", None) == method:
+  if getattr(cls, "_jmp_train_kind", None) == kind:
     return cls
-  key = (cls, method)
+  key = (cls, kind)
   if key not in _CLASSES:
     _CLASSES[key] = type(cls)(
       cls.__name__,
       (cls,),
       {
-        method: fn,
-        "_jmp_train_replaces": method,
+        **methods,
+        "_jmp_train_kind": kind,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__slots__": (),
@@ -156,8 +297,11 @@ def _subclass(cls: type, method: str, fn) -> type:
 
 
 def _convert(module: nnx.Module, config: _Config) -> None:
-  cls = _subclass(type(module), "__call__", _converted_call)
-  object.__setattr__(module, "__class__", cls)
+  cls = type(module)
+  methods = {
+    name: _policy_method(name, fn) for name, fn in _public_methods(cls).items()
+  }
+  object.__setattr__(module, "__class__", _subclass(cls, "module", methods))
   object.__setattr__(module, _CONFIG, config)
 
 
@@ -183,8 +327,19 @@ def wrap(
   model: nnx.Module,
   policy: policy_lib.Policy | str,
   overrides: Mapping[type, policy_lib.Policy | str | None] | None = None,
+  *,
+  respect_dtype_fields: bool = False,
 ) -> nnx.Module:
   """Converts `model` in place to run under `policy`, and returns it.
+
+  Under the policy every module computes in its compute dtype and stores its
+  params in its param dtype, whatever it was built with: a float `dtype` or
+  `param_dtype` attribute (`nnx.Linear(..., dtype=jnp.float32)`), and those
+  of a dataclass attribute such as a `config` carrying them, are set to the
+  policy's (the override's, for an overridden module); None and non-float
+  values are left alone. The values as written are remembered, so wrapping
+  again (with another policy, or `respect_dtype_fields=True`) starts from
+  them.
 
   Args:
     model: any flax.nnx module (built-in layers and user-written modules).
@@ -196,23 +351,31 @@ def wrap(
       in the enclosing compute dtype; map a class to None to drop its default.
       A user override returns outputs in its policy's output dtype. Modules
       inside `model` that were wrapped before keep their own policy.
+    respect_dtype_fields: keep the modules' own `dtype`/`param_dtype`
+      attributes: a layer built with `dtype=jnp.float32` then computes in
+      float32, since Flax casts its inputs and params back. Params are still
+      stored in the param dtype.
 
   Returns:
     `model` itself: same object, same attributes, same `nnx.state` structure,
-    its float params stored in their owners' param dtypes. Only `__call__`
-    applies the policy; call the model, not its other methods, from outside.
+    its float params stored in their owners' param dtypes. `__call__` and its
+    other public methods (`model.encode(x)`) apply the policy when called from
+    outside; float arrays among their arguments are cast, other arguments
+    (`nnx.Rngs`, `nnx.Variable`s, modules) are passed as they are.
 
   Example:
-    >>> import jax.numpy as jnp, flax.nnx as nnx, jmp_train
+    >>> import jax.numpy as jnp, flax.nnx as nnx, numpy as np, jmp_train
     >>> class MLP(nnx.Module):
     ...   def __init__(self, rngs):
-    ...     self.dense = nnx.Linear(4, 8, rngs=rngs)
+    ...     self.dense = nnx.Linear(4, 8, dtype=jnp.float32, rngs=rngs)
     ...     self.norm = nnx.LayerNorm(8, rngs=rngs)
     ...   def __call__(self, x):
     ...     return self.norm(self.dense(x))
     >>> model = jmp_train.nnx.wrap(MLP(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
     >>> model.dense.kernel.dtype, model.norm.scale.dtype
     (dtype(bfloat16), dtype('float32'))
+    >>> np.dtype(model.dense.dtype).name  # built float32, computes bfloat16
+    'bfloat16'
     >>> model(jnp.ones((1, 4))).dtype
     dtype('float32')
   """
@@ -232,10 +395,16 @@ def wrap(
   if getattr(model, _CONFIG, None) is not None:
     object.__setattr__(model, _CONFIG, None)  # re-wrap with the new policy
   _convert(model, _Config(policy, False, True))
-  for param, owner in _param_policies(model).values():
+  modules, params = _owners(model)
+  for module, config, in_inner_wrap in modules:
+    if not in_inner_wrap:  # an inner wrap set its modules' dtype attributes
+      _set_dtype_attributes(
+        module, None if respect_dtype_fields else config.policy
+      )
+  for param, config in params:
     param.set_value(
-      policy_lib.cast_floating(param.get_value(), owner.param_dtype)
+      policy_lib.cast_floating(param.get_value(), config.policy.param_dtype)
     )
-    cls = _subclass(type(param), "get_value", _cast_on_read)
+    cls = _subclass(type(param), "param", {"get_value": _cast_on_read})
     object.__setattr__(param, "__class__", cls)
   return model

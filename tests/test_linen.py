@@ -1,6 +1,10 @@
 """linen.wrap: dtypes read from the jaxpr, numerics against unwrapped runs."""
 
+import functools
+
+import _flax_models as fm
 import flax.linen as nn
+import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +16,10 @@ import jmp_train
 from jmp_train import linen as mp_linen
 
 MATMULS = ("dot_general", "conv_general_dilated")
+# The wmt example's nn.SelfAttention warns that it will be deprecated.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:SelfAttention will be deprecated"
+)
 
 
 class UserLayer(nn.Module):
@@ -49,7 +57,20 @@ NORM_KEYS = ("LayerNorm_0", "BatchNorm_0", "RMSNorm_0", "GroupNorm_0")
 
 
 def init(module):
-  return module.init(jax.random.key(0), X)
+  """`module.init` on X, jitted (one compile instead of op by op)."""
+  return jax.jit(module.init)(jax.random.key(0), X)
+
+
+@functools.cache
+def plain_init():
+  """The unwrapped Model's variables (what a wrap's init stores, cast)."""
+  return init(Model())
+
+
+def abstract_init(module, *args, **kwargs):
+  """`module.init`'s variables as shapes and dtypes (traced, not computed)."""
+  init = functools.partial(module.init, **kwargs)
+  return jax.eval_shape(init, jax.random.key(0), *args)
 
 
 def apply_train(module, variables, x=X):
@@ -66,10 +87,10 @@ def dtypes_of(tree):
 )
 def test_params_stored_in_owner_param_dtype(policy):
   policy = jmp_train.get_policy(policy)
-  variables = init(mp_linen.wrap(Model(), policy))
+  variables = abstract_init(mp_linen.wrap(Model(), policy), X)
   params = variables["params"]
   for name, leaves in params.items():
-    want = "float32" if name in NORM_KEYS else policy.param_dtype.name
+    want = "float32" if name in NORM_KEYS else np.dtype(policy.param_dtype).name
     for path, leaf in jax.tree_util.tree_leaves_with_path(leaves):
       assert leaf.dtype.name == want, (name, path)
   assert set(jax.tree.leaves(dtypes_of(variables["batch_stats"]))) == {
@@ -80,7 +101,7 @@ def test_params_stored_in_owner_param_dtype(policy):
 @pytest.mark.parametrize("compute", ["bfloat16", "float16", "float32"])
 def test_every_matmul_runs_in_the_compute_dtype(compute):
   wrapped = mp_linen.wrap(Model(), f"p=f32,c={compute},o=f32")
-  variables = init(wrapped)
+  variables = abstract_init(wrapped, X)
   for primitive in MATMULS:
     found = primitive_operand_dtypes(
       lambda v: apply_train(wrapped, v), variables, primitive=primitive
@@ -90,14 +111,14 @@ def test_every_matmul_runs_in_the_compute_dtype(compute):
   # Unwrapped, the same model computes every matmul in float32.
   plain = Model()
   found = primitive_operand_dtypes(
-    lambda v: apply_train(plain, v), plain.init(jax.random.key(0), X)
+    lambda v: apply_train(plain, v), abstract_init(plain, X)
   )
   assert set(found) == {("float32", "float32")}
 
 
 def test_norms_compute_in_float32_and_return_the_compute_dtype():
   wrapped = mp_linen.wrap(Model(), "p=bf16,c=bf16,o=f32")
-  variables = init(wrapped)
+  variables = abstract_init(wrapped, X)
   rsqrts = primitive_operand_dtypes(
     lambda v: apply_train(wrapped, v), variables, primitive="rsqrt"
   )
@@ -126,8 +147,12 @@ def test_norms_compute_in_float32_and_return_the_compute_dtype():
 def test_outputs_in_output_dtype_and_grads_in_param_dtype(policy):
   policy = jmp_train.get_policy(policy)
   wrapped = mp_linen.wrap(Model(), policy)
-  variables = init(wrapped)
-  out, _ = apply_train(wrapped, variables)
+  # The wrap's init stores the model's own values in its dtypes (checked by
+  # test_float32_wrap_is_the_identity and test_params_stored_...).
+  variables = jax.tree.map(
+    lambda x, s: x.astype(s.dtype), plain_init(), abstract_init(wrapped, X)
+  )
+  out, _ = jax.eval_shape(functools.partial(apply_train, wrapped), variables)
   assert out.dtype == policy.output_dtype
 
   def loss(params):
@@ -143,15 +168,17 @@ def test_outputs_in_output_dtype_and_grads_in_param_dtype(policy):
 
 def test_float32_wrap_is_the_identity_and_structure_is_unchanged():
   plain = Model()
-  plain_vars = plain.init(jax.random.key(0), X)
+  plain_vars = plain_init()
   wrapped = mp_linen.wrap(Model(), "float32")
   wrapped_vars = init(wrapped)
   jax.tree.map(np.testing.assert_array_equal, wrapped_vars, plain_vars)
-  out_w, stats_w = apply_train(wrapped, wrapped_vars)
-  out_p, stats_p = apply_train(plain, plain_vars)
+  out_w, stats_w = jax.jit(functools.partial(apply_train, wrapped))(
+    wrapped_vars
+  )
+  out_p, stats_p = jax.jit(functools.partial(apply_train, plain))(plain_vars)
   np.testing.assert_array_equal(out_w, out_p)
   jax.tree.map(np.testing.assert_array_equal, stats_w, stats_p)
-  bf16_vars = init(mp_linen.wrap(Model(), "bf16"))
+  bf16_vars = abstract_init(mp_linen.wrap(Model(), "bf16"), X)
   assert jax.tree.structure(bf16_vars) == jax.tree.structure(plain_vars)
   assert jax.tree.map(jnp.shape, bf16_vars) == jax.tree.map(
     jnp.shape, plain_vars
@@ -181,7 +208,7 @@ def test_user_overrides_subclasses_and_removing_a_default():
   wrapped = mp_linen.wrap(
     WithHead(), "p=bf16,c=bf16,o=bf16", overrides={Head: "float32"}
   )
-  variables = wrapped.init(jax.random.key(0), X)
+  variables = abstract_init(wrapped, X)
   params = variables["params"]
   assert dtypes_of(params["Head_0"]["Dense_0"])["kernel"] == "float32"
   assert dtypes_of(params["MyNorm_0"])["scale"] == "float32"  # via LayerNorm
@@ -193,10 +220,10 @@ def test_user_overrides_subclasses_and_removing_a_default():
     ("float32", "float32"),
   ]
   # The wrap's own output dtype applies last.
-  assert wrapped.apply(variables, X).dtype == jnp.bfloat16
+  assert jax.eval_shape(wrapped.apply, variables, X).dtype == jnp.bfloat16
 
   no_default = mp_linen.wrap(WithHead(), "bf16", overrides={nn.LayerNorm: None})
-  nd_params = no_default.init(jax.random.key(0), X)["params"]
+  nd_params = abstract_init(no_default, X)["params"]
   assert dtypes_of(nd_params["LayerNorm_0"])["scale"] == "bfloat16"
   assert dtypes_of(nd_params["MyNorm_0"])["scale"] == "bfloat16"
 
@@ -252,7 +279,7 @@ class Deep(nn.Module):
 def test_scan_remat_dropout_and_rnn_models_init_apply_and_differentiate():
   wrapped = mp_linen.wrap(Deep(), "p=bf16,c=bf16,o=f32")
   rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-  variables = wrapped.init(rngs, X)
+  variables = jax.eval_shape(wrapped.init, rngs, X)
   assert (
     variables["params"]["ScanCheckpointBlock_0"]["Dense_0"]["kernel"].shape[0]
     == 3
@@ -269,7 +296,7 @@ def test_scan_remat_dropout_and_rnn_models_init_apply_and_differentiate():
   # is created float32 by LSTMCell.initialize_carry, so its recurrent matmul
   # and the head promote to float32 (the policy never changes a scan carry).
   assert ("bfloat16", "bfloat16") in dots
-  grads = jax.jit(jax.grad(loss))(variables["params"])
+  grads = jax.eval_shape(jax.grad(loss), variables["params"])
   assert dtypes_of(grads) == dtypes_of(variables["params"])
 
 
@@ -286,7 +313,7 @@ class Outer(nn.Module):
 
 def test_wrapped_submodule_inside_an_unwrapped_model():
   model = Outer()
-  variables = model.init(jax.random.key(0), X)
+  variables = abstract_init(model, X)
   params = variables["params"]
   assert params["encoder"]["layers_0"]["kernel"].dtype == jnp.bfloat16
   assert params["encoder"]["layers_1"]["scale"].dtype == jnp.float32
@@ -300,7 +327,7 @@ def test_nested_wraps_use_the_innermost_policy():
   outer = mp_linen.wrap(
     nn.Sequential([nn.Dense(4), inner, nn.Dense(4)]), "p=f32,c=bf16,o=f32"
   )
-  variables = outer.init(jax.random.key(0), X)
+  variables = abstract_init(outer, X)
   dots = primitive_operand_dtypes(lambda v: outer.apply(v, X), variables)
   # The float32 region's output is float32; the last Dense reads bf16 params
   # and promotes, as any float32 value meeting bf16 would.
@@ -310,7 +337,8 @@ def test_nested_wraps_use_the_innermost_policy():
 def test_wrapped_model_trains_with_mixed_precision():
   preset = jmp_train.get_preset("fp16-mixed")
   wrapped = mp_linen.wrap(Model(), preset.policy)
-  variables = init(wrapped)
+  variables = plain_init()  # float32 params: the wrap's, as p=f32
+  assert dtypes_of(variables) == dtypes_of(abstract_init(wrapped, X))
   tx = preset.mixed_precision(optax.adam(1e-2))
   opt_state = tx.init(variables["params"])
   y = jnp.asarray(np.random.default_rng(2).standard_normal((4, 3)), jnp.float32)
@@ -353,3 +381,204 @@ def test_bad_input():
     mp_linen.wrap(Model(), "bf16", overrides={"LayerNorm": "float32"})
   with pytest.raises(ValueError, match="Unknown dtype 'bf15'"):
     mp_linen.wrap(Model(), "p=bf15")
+
+
+# -- Models written as Flax's examples write them: dtype fields, a config, ----
+# -- encode/decode methods and a decode cache (tests/_flax_models.py). --------
+
+BF16_MIXED = "p=f32,c=bf16,o=f32"
+CONFIG = fm.TransformerConfig()
+TOKENS = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]])
+TARGETS = jnp.array([[3, 4, 5, 6], [7, 8, 9, 0]])
+IMAGES = jnp.asarray(
+  np.random.default_rng(3).standard_normal((2, 8, 8, 3)), jnp.float32
+)
+BF16_PAIR = ("bfloat16", "bfloat16")
+
+
+def resnet_matmuls(model):
+  """Operand dtypes of every conv and dot of a training step, both passes."""
+  variables = abstract_init(model, IMAGES, train=False)
+
+  def loss(params, batch_stats):
+    out, _ = model.apply(
+      {"params": params, "batch_stats": batch_stats},
+      IMAGES,
+      mutable=["batch_stats"],
+    )
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  return {
+    p: primitive_operand_dtypes(
+      jax.grad(loss), variables["params"], variables["batch_stats"], primitive=p
+    )
+    for p in MATMULS
+  }
+
+
+def test_resnet_dtype_fields_follow_the_policy_forward_and_backward():
+  # examples/imagenet threads `dtype=jnp.float32` into every conv, norm and
+  # the head through functools.partial; the reference sets bfloat16 by hand.
+  wrapped = mp_linen.wrap(fm.TinyResNet(num_classes=3), BF16_MIXED)
+  reference = fm.TinyResNet(num_classes=3, dtype=jnp.bfloat16)
+  found = resnet_matmuls(wrapped)
+  assert found == resnet_matmuls(reference)
+  # 6 convs, their kernel gradients and 5 input gradients (not the images').
+  assert len(found["conv_general_dilated"]) == 6 + 6 + 5
+  assert set(found["conv_general_dilated"]) == {BF16_PAIR}
+  assert set(found["dot_general"]) == {BF16_PAIR}
+  # The fields read through, dtype as the model runs (the policy's).
+  assert wrapped.num_classes == 3 and wrapped.num_filters == 4
+  assert np.dtype(wrapped.dtype) == jnp.bfloat16
+  assert wrapped.module.dtype is jnp.float32  # the module as written
+  with pytest.raises(AttributeError, match="no field or method 'depth'"):
+    _ = wrapped.depth
+
+
+def transformer_dots(model):
+  """Operand dtypes of every dot of a wmt Transformer step, both passes."""
+  variables = abstract_init(model, TOKENS, TARGETS)
+
+  def loss(params):
+    out = model.apply({"params": params}, TOKENS, TARGETS)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  return primitive_operand_dtypes(jax.grad(loss), variables["params"])
+
+
+def test_transformer_config_dtype_follows_the_policy_forward_and_backward():
+  # examples/wmt: `dtype=config.dtype` in every layer, `x.astype(config.dtype)`
+  # and masks made in config.dtype; the reference is the same model with
+  # `config.dtype = bfloat16`, as its authors would run it in bfloat16.
+  wrapped = mp_linen.wrap(fm.Transformer(CONFIG), BF16_MIXED)
+  dots = transformer_dots(wrapped)
+  assert dots == transformer_dots(
+    fm.Transformer(CONFIG.replace(dtype=jnp.bfloat16))
+  )
+  # All but the logits, which the model computes from `y.astype(float32)`
+  # with an nn.Embed whose dtype is None (so inferred), in both runs.
+  assert dots.count(BF16_PAIR) == len(dots) - 3
+  params = abstract_init(wrapped, TOKENS, TARGETS)["params"]
+  norm = params["encoder"]["encoder_norm"]
+  assert {norm["scale"].dtype, norm["bias"].dtype} == {jnp.dtype("float32")}
+  assert np.dtype(wrapped.config.dtype) == jnp.bfloat16
+  assert wrapped.module.config.dtype is jnp.float32
+
+
+def test_respect_dtype_fields_keeps_the_modules_own_dtypes():
+  wrapped = mp_linen.wrap(
+    fm.Transformer(CONFIG), BF16_MIXED, respect_dtype_fields=True
+  )
+  # As before dtype fields followed the policy: Flax casts back to float32.
+  assert set(transformer_dots(wrapped)) == {("float32", "float32")}
+  assert wrapped.config.dtype is jnp.float32
+
+
+@pytest.mark.parametrize(
+  "method",
+  ["encode", fm.Transformer.encode, lambda m, x: m.encode(x)],
+  ids=["name", "function", "lambda"],
+)
+def test_other_methods_run_under_the_policy(method):
+  wrapped = mp_linen.wrap(fm.Transformer(CONFIG), BF16_MIXED)
+  variables = abstract_init(wrapped, TOKENS, method=method)
+  reference = fm.Transformer(CONFIG.replace(dtype=jnp.bfloat16))
+
+  def encode(model, method):
+    return lambda v: model.apply(v, TOKENS, method=method)
+
+  want = primitive_operand_dtypes(encode(reference, "encode"), variables)
+  assert set(want) == {BF16_PAIR}
+  assert primitive_operand_dtypes(encode(wrapped, method), variables) == want
+  assert jax.eval_shape(encode(wrapped, method), variables).dtype == jnp.float32
+
+
+class Classifier(nn.Module):
+  """A parent calling a wrapped model's method, as it would the model's."""
+
+  def setup(self):
+    self.transformer = mp_linen.wrap(fm.Transformer(CONFIG), BF16_MIXED)
+    self.head = nn.Dense(2)
+
+  def __call__(self, inputs):
+    return self.head(self.transformer.encode(inputs).mean(axis=1))
+
+
+def test_a_parent_calls_a_wrapped_models_other_method():
+  model = Classifier()
+  variables = abstract_init(model, TOKENS)
+  reference = fm.Transformer(CONFIG.replace(dtype=jnp.bfloat16))
+  encoder_dots = primitive_operand_dtypes(
+    lambda v: reference.apply(v, TOKENS, method="encode"),
+    {"params": variables["params"]["transformer"]},
+  )
+  dots = primitive_operand_dtypes(lambda v: model.apply(v, TOKENS), variables)
+  # The unwrapped head meets the wrapped model's float32 output.
+  assert dots == encoder_dots + [("float32", "float32")]
+
+
+def test_decode_cache_from_init_matches_what_decoding_computes():
+  # examples/wmt decoding: `initialize_cache` inits the model with a decode
+  # config, then each step applies `method=Transformer.decode` on the cache.
+  config = CONFIG.replace(decode=True)
+  params = abstract_init(fm.Transformer(CONFIG), TOKENS, TARGETS)["params"]
+
+  def decode_step(model):
+    cache = abstract_init(model, TOKENS, jnp.ones((2, 4)))["cache"]
+
+    def step(params, cache):
+      encoded = model.apply(
+        {"params": params}, TOKENS, method=fm.Transformer.encode
+      )
+      return model.apply(
+        {"params": params, "cache": cache},
+        encoded,
+        TOKENS,
+        TARGETS[:, :1],
+        mutable=["cache"],
+        method=fm.Transformer.decode,
+      )
+
+    logits, updated = jax.eval_shape(step, params, cache)
+    dots = primitive_operand_dtypes(step, params, cache)
+    return cache, logits, updated["cache"], dots
+
+  cache, logits, updated, dots = decode_step(
+    mp_linen.wrap(fm.Transformer(config), BF16_MIXED)
+  )
+  ref_cache, _, _, ref_dots = decode_step(
+    fm.Transformer(config.replace(dtype=jnp.bfloat16))
+  )
+  attention = cache["decoder"]["encoderdecoderblock_0"]["SelfAttention_0"]
+  assert attention["cached_key"].dtype == jnp.bfloat16
+  assert dtypes_of(cache) == dtypes_of(ref_cache) == dtypes_of(updated)
+  assert dots == ref_dots and BF16_PAIR in dots
+  assert logits.dtype == jnp.float32 and logits.shape == (2, 1, 11)
+
+
+class Counted(nn.Module):
+  """Takes a dict of arrays and an `nnx.Variable` it updates in place."""
+
+  @nn.compact
+  def __call__(self, batch, calls):
+    calls[...] += 1
+    assert batch["mask"].dtype == jnp.bool_
+    return nn.Dense(2)(batch["x"]) * batch["mask"]
+
+
+def test_call_arguments_cast_only_float_arrays_and_pass_objects_by_reference():
+  wrapped = mp_linen.wrap(Counted(), BF16_MIXED)
+  batch = {"x": X, "mask": jnp.ones((4, 1), jnp.bool_)}
+  variables = wrapped.init(
+    jax.random.key(0), batch, nnx.Variable(jnp.zeros((), jnp.int32))
+  )
+  calls = nnx.Variable(jnp.zeros((), jnp.int32))
+  wrapped.apply(variables, batch, calls)
+  wrapped.apply(variables, batch, calls)
+  assert int(calls[...]) == 2  # the caller's Variable, updated in place
+
+  def apply(variables, x):
+    counter = nnx.Variable(jnp.zeros((), jnp.int32))  # of this trace
+    return wrapped.apply(variables, {**batch, "x": x}, counter)
+
+  assert primitive_operand_dtypes(apply, variables, X) == [BF16_PAIR]

@@ -1,5 +1,8 @@
 """nnx.wrap: dtypes from the jaxpr, and the same training as linen.wrap."""
 
+import functools
+
+import _flax_models as fm
 import flax.linen as nn
 import flax.nnx as nnx
 import jax
@@ -208,7 +211,7 @@ def _data(steps):
 
 def train_linen(policy, data):
   model = mp_linen.wrap(LinenModel(), policy)
-  params = model.init(jax.random.key(0), X)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), X)["params"]
   tx = _tx()
   state = tx.init(params)
 
@@ -263,7 +266,9 @@ def train_nnx(policy, data, linen_params):
 )
 def test_linen_and_nnx_train_to_the_same_losses(policy):
   data = _data(16)
-  linen_init = mp_linen.wrap(LinenModel(), "f32").init(jax.random.key(0), X)
+  linen_init = jax.jit(mp_linen.wrap(LinenModel(), "f32").init)(
+    jax.random.key(0), X
+  )
   _, linen_state, linen_losses = train_linen(policy, data)
   model, optimizer, metrics, nnx_losses = train_nnx(
     policy, data, linen_init["params"]
@@ -284,3 +289,206 @@ def test_linen_and_nnx_train_to_the_same_losses(policy):
     master = state.master_params["dense"]["kernel"]
     assert master.dtype == jnp.float32
     np.testing.assert_array_equal(kernel, master.astype(jnp.bfloat16))
+
+
+# -- Models built with dtype= layers, other methods, Rngs and Variable --------
+# -- arguments (tests/_flax_models.py). ---------------------------------------
+
+TOKENS = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]])
+TARGETS = jnp.array([[3, 4, 5, 6], [7, 8, 9, 0]])
+BF16_PAIR = ("bfloat16", "bfloat16")
+
+
+@functools.cache
+def _built(name):
+  """Models built once, under nnx.jit (one compile, not one per op)."""
+  bf16 = fm.NnxConfig(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  build = {
+    "float32": lambda: fm.NnxEncoderDecoder(fm.NnxConfig(), rngs=nnx.Rngs(0)),
+    "bfloat16": lambda: fm.NnxEncoderDecoder(bf16, rngs=nnx.Rngs(0)),
+    "cnn": lambda: fm.CNN(rngs=nnx.Rngs(0)),
+  }[name]
+  return nnx.jit(build)()
+
+
+def built(name):
+  """A fresh copy of model `name` (wrap converts in place)."""
+  return nnx.clone(_built(name))
+
+
+def step_dots(model):
+  """Operand dtypes of every matmul of a training step, both passes."""
+  graphdef, state = nnx.split(model)
+
+  def loss(state):
+    out = nnx.merge(graphdef, state)(TOKENS, TARGETS)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  dots = primitive_operand_dtypes(jax.grad(loss), state)
+  convs = primitive_operand_dtypes(
+    jax.grad(loss), state, primitive="conv_general_dilated"
+  )
+  return dots, convs
+
+
+def test_dtype_attributes_follow_the_policy_forward_and_backward():
+  # Every layer built with dtype=config.dtype, param_dtype=... (float32);
+  # the reference is the same model built with bfloat16 by hand.
+  model = mp_nnx.wrap(built("float32"), "p=bf16,c=bf16,o=f32")
+  reference = built("bfloat16")
+  dots, convs = step_dots(model)
+  assert (dots, convs) == step_dots(reference)
+  assert set(convs) == {BF16_PAIR} and len(convs) == 3
+  # jax.nn.dot_product_attention's logits are float32 (preferred type) in
+  # both runs, so their gradient matmuls take one float32 operand.
+  assert set(dots) == {BF16_PAIR, ("float32", "bfloat16")}
+  assert dots.count(BF16_PAIR) == len(dots) - 4
+  assert (
+    np.dtype(model.mlp.dtype) == np.dtype(model.config.dtype) == jnp.bfloat16
+  )
+  assert model.enc_norm.dtype is jnp.float32  # a norm: float32 by default
+  assert model.out.dtype is None  # left to infer, as it was built
+
+
+def test_respect_dtype_fields_and_rewrapping_start_from_the_model_as_built():
+  model = built("float32")
+  as_built = step_dots(model)
+  mp_nnx.wrap(model, "p=bf16,c=bf16,o=f32")
+  mp_nnx.wrap(model, "p=bf16,c=bf16,o=f32", respect_dtype_fields=True)
+  # Flax casts the bf16-stored params back to each layer's own float32.
+  assert step_dots(model) == as_built
+  assert model.mlp.dtype is jnp.float32 and model.config == fm.NnxConfig()
+  mp_nnx.wrap(model, "p=f32,c=f16,o=f32")
+  assert set(step_dots(model)[1]) == {("float16", "float16")}
+
+
+class TwoStage(nnx.Module):
+  """`__call__` goes through another public method, as encode/decode do."""
+
+  def __init__(self, seen, rngs):
+    self.seen = seen
+    self.hidden = nnx.Linear(4, 4, rngs=rngs)
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def features(self, x):
+    return nnx.relu(self.hidden(x))
+
+  def __call__(self, x):
+    h = self.features(x)
+    self.seen.append(h.dtype)
+    return self.head(h)
+
+
+def test_other_methods_run_under_the_policy_when_called_from_outside():
+  model = mp_nnx.wrap(built("float32"), "p=f32,c=bf16,o=f32")
+  reference = built("bfloat16")
+
+  def encode(model):
+    graphdef, state = nnx.split(model)
+    return lambda s: nnx.merge(graphdef, s).encode(TOKENS), state
+
+  assert primitive_operand_dtypes(*encode(model)) == primitive_operand_dtypes(
+    *encode(reference)
+  )
+  assert jax.eval_shape(*encode(model)).dtype == jnp.float32
+  # A method called by another runs inside it: no cast to the output dtype
+  # in between.
+  seen = []
+  two = mp_nnx.wrap(TwoStage(seen, nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  assert two(jnp.ones((1, 4))).dtype == jnp.float32 and seen == [jnp.bfloat16]
+  assert two.features(jnp.ones((1, 4))).dtype == jnp.float32
+  graphdef, state = nnx.split(two)
+  features = lambda s, x: nnx.merge(graphdef, s).features(x)  # noqa: E731
+  assert primitive_operand_dtypes(features, state, jnp.ones((1, 4))) == [
+    BF16_PAIR
+  ]
+
+
+IMAGES = jnp.asarray(
+  np.random.default_rng(4).standard_normal((2, 4, 8, 8, 1)), jnp.float32
+)
+LABELS = jnp.asarray(np.random.default_rng(5).integers(0, 10, (2, 4)))
+
+
+def mnist_training(model):
+  """Flax's NNX MNIST tutorial step, `model(batch["image"], rngs)`, run twice.
+
+  Returns:
+    Per step: the loss, the logits it came from and the logits of a second
+    call on the same images and params (so they differ by the dropout mask
+    only); then the count of keys drawn from the Rngs and the final params.
+  """
+  optimizer = nnx.Optimizer(model, optax.adamw(5e-3, 0.9), wrt=nnx.Param)
+  rngs = nnx.Rngs(0)
+
+  def loss_fn(model, rngs, batch):
+    logits = model(batch["image"], rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits=logits.astype(jnp.float32), labels=batch["label"]
+    ).mean()
+    return loss, logits
+
+  @nnx.jit
+  def train_step(model, optimizer, rngs, batch):
+    grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+    (loss, logits), grads = grad_fn(model, rngs, batch)
+    again = model(batch["image"], rngs)
+    optimizer.update(model, grads)
+    return loss, logits, again
+
+  steps = [
+    train_step(model, optimizer, rngs, {"image": x, "label": y})
+    for x, y in zip(IMAGES, LABELS, strict=True)
+  ]
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return steps, int(rngs.default.count[...]), params
+
+
+@functools.cache
+def plain_mnist_training():
+  return mnist_training(built("cnn"))
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed"])
+def test_rngs_call_argument_advances_dropout_as_in_plain_code(preset):
+  policy = jmp_train.get_preset(preset).policy
+  model = mp_nnx.wrap(built("cnn"), policy)
+  steps, keys_drawn, params = mnist_training(model)
+  plain_steps, plain_keys_drawn, plain_params = plain_mnist_training()
+  # Two calls a step, each drawing a key for each of its two Dropouts.
+  assert keys_drawn == plain_keys_drawn == 2 * 2 * len(IMAGES)
+  for _, logits, again in steps:
+    assert not np.array_equal(logits, again)  # a new dropout mask
+  if preset == "fp32":
+    jax.tree.map(np.testing.assert_array_equal, steps, plain_steps)
+    jax.tree.map(np.testing.assert_array_equal, params, plain_params)
+  else:
+    losses = [float(loss) for loss, _, _ in steps]
+    plain_losses = [float(loss) for loss, _, _ in plain_steps]
+    np.testing.assert_allclose(losses, plain_losses, rtol=2e-2)
+
+
+class Accumulates(nnx.Module):
+  """Updates `nnx.Variable`s it is given: a count and a running sum."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(5, 3, rngs=rngs)
+
+  def __call__(self, x, count, total):
+    y = self.linear(x)
+    count[...] += x.shape[0]
+    total[...] += y.sum(0)
+    return y
+
+
+def test_variable_call_arguments_keep_their_in_place_updates():
+  model = mp_nnx.wrap(Accumulates(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  count = nnx.Variable(jnp.zeros((), jnp.int32))
+  total = nnx.Variable(jnp.zeros((3,), jnp.float32))
+  y1 = model(X, count, total)
+  y2 = nnx.jit(lambda m, x, c, t: m(x, c, t))(model, X, count, total)
+  assert int(count[...]) == 2 * X.shape[0]
+  assert total[...].dtype == jnp.float32  # not cast: passed by reference
+  np.testing.assert_allclose(
+    total[...], (y1 + y2).astype(jnp.float32).sum(0), rtol=1e-2
+  )
