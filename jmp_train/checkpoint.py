@@ -10,21 +10,32 @@ the params and the whole optimizer state, loss-scale counters included:
   checkpoint is smaller (2 instead of 6 bytes per bf16 param plus the
   optimizer's moments) and a resume is not bit-exact.
 
-The state is stored without ZeRO padding, each leaf under its tree path, so
-a checkpoint written on one mesh restores onto another (8 devices to 4 or 1):
-pass the `TrainStep` of the new mesh. Restore templates come from the
-optimizer (`tx.init` traced on the params), and a leaf whose saved shape or
-dtype differs from the template raises instead of being silently cast.
+The state is stored without ZeRO padding, each leaf under its index and tree
+path, so a checkpoint written on one mesh restores onto another (8 devices to
+4 or 1): pass the `TrainStep` of the new mesh. Restore templates come from
+the optimizer (`tx.init` traced on the params), leaves are matched by name,
+and a leaf whose saved shape or dtype differs from the template raises
+instead of being silently cast.
+
+Steps only go forward: a save whose step is not above the latest checkpoint
+raises. To roll back, restore the earlier step with `restore(..., step=n)`:
+the checkpoints after `n` then belong to an abandoned run, and the next save
+deletes them before writing, so the directory always holds one run.
 
 Orbax writes each checkpoint into a temporary directory and renames it when
 complete, so a process killed while saving leaves the last good checkpoint
-as the latest one.
+as the latest one. Saves run in the background; the interpreter waits for
+them before it exits.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import numbers
 import os
 import re
+import threading
 from typing import Any
 
 import jax
@@ -32,14 +43,36 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jmp_train import transform
+from jmp_train import fp8, transform
+
+_FORMAT = 1  # meta["format"]: leaves stored as `{index:05d}_{path}` keys.
+_logger = logging.getLogger(__name__)
+
+# Managers with saves in flight, finished before the interpreter exits: a
+# script that ends right after `save` (or drops its Checkpointer) must not
+# lose that checkpoint. Plain atexit hooks run after concurrent.futures has
+# shut down its executors, which orbax's background commit still needs; the
+# threading hook runs before that (concurrent.futures registers its own
+# shutdown there, earlier, and these hooks run last-registered first).
+_pending_saves: set = set()
+
+
+def _finish_pending_saves() -> None:
+  for manager in list(_pending_saves):
+    manager.wait_until_finished()
+    _pending_saves.discard(manager)
+
+
+getattr(threading, "_register_atexit", atexit.register)(_finish_pending_saves)
 
 
 def _is_mp(x: Any) -> bool:
   return isinstance(x, transform.MixedPrecisionState)
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
 
 
 def _strip_masters(state: Any) -> Any:
@@ -49,9 +82,7 @@ def _strip_masters(state: Any) -> Any:
     if not _is_mp(s):
       return s
     masked = jax.tree.map(
-      lambda _: optax.MaskedNode(),
-      s.master_params,
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      lambda _: optax.MaskedNode(), s.master_params, is_leaf=_is_masked
     )
     return s._replace(master_params=masked)
 
@@ -68,31 +99,44 @@ def _rebuild_masters(template: Any, state: Any, params: Any) -> Any:
       return s
     tmpl = next(it)
     masters = jax.tree.map(
-      lambda m, p: (
-        m if isinstance(m, optax.MaskedNode) else p.astype(jnp.float32)
-      ),
+      lambda m, p: m if _is_masked(m) else p.astype(jnp.float32),
       tmpl.master_params,
       params,
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      is_leaf=_is_masked,
     )
     return s._replace(master_params=masters)
 
   return jax.tree.map(fill, state, is_leaf=_is_mp)
 
 
-def _flat(tree: Any) -> dict[str, Any]:
-  """A flat dict keyed by index and tree path (unique and readable)."""
-  out = {}
+def _keystr(path: Any) -> str:
+  return jax.tree_util.keystr(path)
+
+
+def _names(tree: Any) -> list[tuple[str, str, Any]]:
+  """`(name, tree path, leaf)` per leaf: the name is unique and readable.
+
+  The index makes names unique where two paths sanitize alike. Restores look
+  leaves up by these names, never by sorting them (as strings, "100000_"
+  sorts before "10001_").
+  """
+  out = []
   for i, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
-    name = re.sub(r"[^A-Za-z0-9]+", "_", jax.tree_util.keystr(path)).strip("_")
-    out[f"{i:05d}_{name}"] = leaf
+    readable = re.sub(r"[^A-Za-z0-9]+", "_", _keystr(path)).strip("_")
+    out.append((f"{i:05d}_{readable}", _keystr(path), leaf))
   return out
 
 
+def _flat(tree: Any) -> dict[str, Any]:
+  """A flat dict of the leaves, keyed by `_names`."""
+  return {name: leaf for name, _, leaf in _names(tree)}
+
+
 def _unflat(template: Any, flat: dict[str, Any]) -> Any:
-  keys = sorted(flat)
+  """The inverse of `_flat`: each leaf of `template` is read by its name."""
   return jax.tree.unflatten(
-    jax.tree.structure(template), [flat[k] for k in keys]
+    jax.tree.structure(template),
+    [flat[name] for name, _, _ in _names(template)],
   )
 
 
@@ -100,14 +144,86 @@ def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding)
 
 
+def _checked_step(step: Any) -> int:
+  """`step` as an int, if it is a non-negative integer (a jax int counts)."""
+  ok = isinstance(step, numbers.Integral) and not isinstance(step, bool)
+  if isinstance(step, (np.ndarray, np.generic, jax.Array)):
+    ok = np.ndim(step) == 0 and jnp.issubdtype(step.dtype, jnp.integer)
+  if not ok or int(step) < 0:
+    raise ValueError(
+      f"step must be a non-negative integer (a Python, NumPy or JAX int), "
+      f"got {step!r}."
+    )
+  return int(step)
+
+
+def _looks_padded(state_shape: tuple, param_shape: tuple) -> bool:
+  """One dimension longer than the param's, the others equal: ZeRO padding."""
+  if len(state_shape) != len(param_shape):
+    return False
+  pairs = zip(state_shape, param_shape, strict=True)
+  diff = [(s, p) for s, p in pairs if s != p]
+  return len(diff) == 1 and diff[0][0] > diff[0][1]
+
+
+def _padded_leaves(params: Any, state: Any) -> list[str]:
+  """Messages for state leaves that mirror a param with a padded shape.
+
+  Any subtree of the state with the params' structure (an FP8 state in the
+  params may be a `MaskedNode` there, as may a param without a master copy)
+  mirrors the params leaf for leaf: Adam's moments, the master weights. A
+  mirror leaf with one dimension longer than its param's is what
+  `make_train_step(...).init` stores for ZeRO-1.
+  """
+  params_def = jax.tree.structure(params, is_leaf=fp8.is_fp8_state)
+  param_leaves = jax.tree_util.tree_leaves_with_path(
+    params, is_leaf=fp8.is_fp8_state
+  )
+  found = []
+
+  def visit(path, node):
+    if _is_masked(node) or node is None:
+      return
+    node_def = jax.tree.structure(node, is_leaf=_is_masked)
+    if node_def == params_def:
+      mirror = jax.tree.leaves(node, is_leaf=_is_masked)
+      for (ppath, p), s in zip(param_leaves, mirror, strict=True):
+        if fp8.is_fp8_state(p) or not hasattr(s, "shape"):
+          continue
+        if _looks_padded(tuple(s.shape), tuple(p.shape)):
+          found.append(
+            f"opt_state{_keystr(path)}{_keystr(ppath)} has shape "
+            f"{tuple(s.shape)}, the param {_keystr(ppath)} {tuple(p.shape)}"
+          )
+      return
+    if jax.tree_util.treedef_is_leaf(node_def):
+      return
+    children = jax.tree_util.tree_flatten_with_path(
+      node, is_leaf=lambda x: x is not node
+    )[0]
+    for child_path, child in children:
+      visit(path + child_path, child)
+
+  visit((), state)
+  return found
+
+
 class Checkpointer:
   """Saves and restores `(params, opt_state)` under `directory/<step>`.
+
+  Steps only go forward. `save(step, ...)` with a step not above the latest
+  checkpoint raises, unless this Checkpointer restored an earlier step:
+
+      restore(..., step=3)   # checkpoints 1..5 exist; 4 and 5 are abandoned
+      save(4, ...)           # deletes 4 and 5, then writes the new 4
+
+  so the directory holds one run, never steps of two runs mixed.
 
   Args:
     directory: where the checkpoints live (created if missing).
     use_master_weights_in_ckpt: save the float32 master weights (resume is
       bit-exact) or not (smaller; rebuilt from the params on restore).
-    max_to_keep: how many checkpoints to keep (None: all).
+    max_to_keep: how many checkpoints to keep, at least 1 (None: all).
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, jmp_train as jmp
@@ -115,12 +231,11 @@ class Checkpointer:
     >>> tx = jmp.mixed_precision(optax.adam(1e-3))
     >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
     >>> state = tx.init(params)
-    >>> ckpt = Checkpointer(tempfile.mkdtemp())
-    >>> ckpt.save(7, params, state)
-    >>> step, params2, state2 = ckpt.restore(params, tx=tx)
+    >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+    ...   ckpt.save(7, params, state)
+    ...   step, params2, state2 = ckpt.restore(params, tx=tx)
     >>> step, params2["w"].dtype, state2.master_params["w"].dtype
     (7, dtype(bfloat16), dtype('float32'))
-    >>> ckpt.close()
   """
 
   def __init__(
@@ -135,8 +250,19 @@ class Checkpointer:
         "use_master_weights_in_ckpt must be True or False, got "
         f"{use_master_weights_in_ckpt!r}."
       )
+    if max_to_keep is not None and (
+      not isinstance(max_to_keep, numbers.Integral)
+      or isinstance(max_to_keep, bool)
+      or max_to_keep < 1
+    ):
+      raise ValueError(
+        "max_to_keep must be None (keep all) or an integer >= 1, got "
+        f"{max_to_keep!r} (0 would delete every checkpoint it writes)."
+      )
     self.directory = os.path.abspath(os.fspath(directory))
     self.use_master_weights_in_ckpt = use_master_weights_in_ckpt
+    self._rolled_back_to: int | None = None
+    self._closed = False
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(
@@ -150,6 +276,12 @@ class Checkpointer:
       },
     )
 
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or None."""
     self._manager.wait_until_finished()
@@ -160,7 +292,7 @@ class Checkpointer:
     """Steps of the complete checkpoints, oldest first."""
     self._manager.wait_until_finished()
     self._manager.reload()
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
 
   def save(
     self,
@@ -170,29 +302,91 @@ class Checkpointer:
     *,
     train_step: Any = None,
   ) -> None:
-    """Saves a checkpoint (asynchronously; `wait()` or `close()` to finish).
+    """Saves a checkpoint in the background.
+
+    `wait()` blocks until it is written; `close()` and the interpreter's exit
+    wait too. Nothing is written when this raises.
 
     Args:
-      step: the step number naming the checkpoint.
+      step: the step number naming the checkpoint, above the latest one (or
+        above the step this Checkpointer restored, which deletes the later
+        checkpoints first: see the class docstring).
       params: the params.
       opt_state: the optimizer state, as `train_step` or `tx.init` built it.
       train_step: the `TrainStep` whose layout `opt_state` has, if any (its
-        ZeRO padding is cut off before saving).
+        ZeRO padding is cut off before saving). Required for a state built by
+        `make_train_step(...).init` with padding.
+
+    Raises:
+      ValueError: `step` is not above the latest checkpoint (or the restored
+        one), or `opt_state` holds ZeRO padding and `train_step` is missing.
     """
-    state = (
-      opt_state if train_step is None else train_step.to_logical(opt_state)
-    )
+    step = _checked_step(step)
+    if train_step is None:
+      padded = _padded_leaves(params, opt_state)
+      if padded:
+        raise ValueError(
+          f"Checkpoint {step}: opt_state holds ZeRO-1 padding "
+          f"({padded[0]}; {len(padded)} padded leaves). Pass train_step=, the "
+          "TrainStep whose init built this state, so the padding is cut off "
+          "before saving; a padded checkpoint does not restore."
+        )
+      state = opt_state
+    else:
+      state = train_step.to_logical(opt_state)
     if not self.use_master_weights_in_ckpt:
       state = _strip_masters(state)
-    meta = {"master_weights": self.use_master_weights_in_ckpt, "format": 1}
-    self._manager.save(
-      int(step),
+    steps = self.all_steps()
+    if self._rolled_back_to is not None:
+      restored = self._rolled_back_to
+      if step <= restored:
+        raise ValueError(
+          f"Cannot save step {step}: this Checkpointer restored step "
+          f"{restored} and continues from it, so the next step must be above "
+          f"{restored}."
+        )
+      abandoned = [s for s in steps if s > restored]
+      if abandoned:
+        _logger.warning(
+          "Deleting checkpoints %s in %s: they follow step %d, which was "
+          "restored, and belong to the abandoned run.",
+          abandoned,
+          self.directory,
+          restored,
+        )
+      for s in abandoned:
+        self._manager.delete(s)
+      self._rolled_back_to = None
+    elif steps and step <= steps[-1]:
+      raise ValueError(
+        f"Cannot save step {step}: the latest checkpoint in {self.directory} "
+        f"is step {steps[-1]}, and steps only go forward. To roll back, "
+        "restore an earlier step first (restore(..., step=n): the next save "
+        "deletes the checkpoints after n); otherwise use a step above "
+        f"{steps[-1]}."
+      )
+    meta = {
+      "master_weights": self.use_master_weights_in_ckpt,
+      "format": _FORMAT,
+    }
+    written = self._manager.save(
+      step,
       args=ocp.args.Composite(
         params=ocp.args.StandardSave(_flat(params)),
         opt_state=ocp.args.StandardSave(_flat(state)),
         meta=ocp.args.JsonSave(meta),
       ),
     )
+    if written:
+      for manager in list(_pending_saves):  # forget finished ones
+        if not manager.is_saving_in_progress():
+          _pending_saves.discard(manager)
+      _pending_saves.add(self._manager)
+    else:
+      raise RuntimeError(
+        f"orbax did not write checkpoint {step} in {self.directory} (its "
+        "CheckpointManager.save returned False)."
+      )
 
   def restore(
     self,
@@ -204,61 +398,80 @@ class Checkpointer:
   ) -> tuple[int, optax.Params, optax.OptState]:
     """Restores `(step, params, opt_state)`, resharded for the target.
 
+    Restoring a step earlier than the latest marks the later checkpoints as
+    an abandoned run: the next `save` deletes them.
+
     Args:
       params: params or `jax.ShapeDtypeStruct`s with the target structure,
-        shapes and dtypes (their values are not used).
+        shapes, dtypes and shardings (their values are not used).
       train_step: the target `TrainStep` (its mesh and ZeRO layout); or
-      tx: the optimizer, for a state as `tx.init(params)` builds it, placed
-        on the params' shardings (or the default device).
+      tx: the optimizer, for a state as `jax.jit(tx.init)(params)` builds
+        and places it; the params keep their shardings (or go to the
+        default device).
       step: which checkpoint (default: the latest).
 
     Returns:
       The step number, the params and the optimizer state.
+
+    Raises:
+      FileNotFoundError: no checkpoint, or none at `step`.
+      ValueError: the checkpoint does not match the target (structure, shape
+        or dtype of a leaf) or was written in another format.
+      OSError: stored data cannot be read; names the leaves.
     """
     if (train_step is None) == (tx is None):
       raise ValueError("Pass exactly one of train_step= or tx=.")
-    self._manager.wait_until_finished()
-    self._manager.reload()
+    steps = self.all_steps()
     if step is None:
-      step = self._manager.latest_step()
-      if step is None:
+      if not steps:
         raise FileNotFoundError(f"No complete checkpoint in {self.directory}.")
-    meta = self._manager.restore(
-      step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-    )["meta"]
+      step = steps[-1]
+    else:
+      step = _checked_step(step)
+      if step not in steps:
+        raise FileNotFoundError(
+          f"No checkpoint for step {step} in {self.directory}; the complete "
+          f"checkpoints are steps {steps}."
+        )
+    meta = self._read(
+      step,
+      "meta",
+      lambda: self._manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+      )["meta"],
+    )
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+      found = meta.get("format") if isinstance(meta, dict) else meta
+      raise ValueError(
+        f"Checkpoint {step} in {self.directory} has format {found!r}; this "
+        f"version of jmp_train reads format {_FORMAT}."
+      )
 
     if train_step is not None:
       param_shardings = train_step.param_shardings(params)
       state_template = train_step.plan(params).opt_state_logical
       state_shardings = train_step.logical_opt_state_shardings(params)
     else:
-      param_shardings = jax.tree.map(
-        lambda p: (
-          p.sharding
-          if isinstance(getattr(p, "sharding", None), NamedSharding)
-          else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      # Compiling (not running) tx.init gives where jit puts each state
+      # leaf: on the params' devices and shardings, moments like their param.
+      target = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(
+          p.shape, p.dtype, sharding=getattr(p, "sharding", None)
         ),
         params,
       )
-      state_template = jax.eval_shape(
-        tx.init,
-        jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params),
-      )
-      replicated = _replicated_like(state_template, params, param_shardings)
-      state_shardings = replicated
+      compiled = jax.jit(tx.init).trace(target).lower().compile()
+      param_shardings = compiled.input_shardings[0][0]
+      state_template = compiled.out_info
+      state_shardings = compiled.output_shardings
     params_abs = jax.tree.map(_abstract, params, param_shardings)
     state_abs = jax.tree.map(_abstract, state_template, state_shardings)
     saved_state_abs = state_abs
     if not meta["master_weights"]:
       saved_state_abs = _strip_masters(state_abs)
-    self._check_metadata(step, _flat(params_abs), _flat(saved_state_abs))
-    restored = self._manager.restore(
-      step,
-      args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_flat(params_abs)),
-        opt_state=ocp.args.StandardRestore(_flat(saved_state_abs)),
-      ),
-    )
+    targets = {"params": params_abs, "opt_state": saved_state_abs}
+    self._check_metadata(step, targets)
+    restored = self._restore_arrays(step, targets)
     new_params = _unflat(params_abs, restored["params"])
     state = _unflat(saved_state_abs, restored["opt_state"])
     if not meta["master_weights"]:
@@ -268,47 +481,122 @@ class Checkpointer:
       )(state, new_params)
     if train_step is not None:
       state = train_step.from_logical(state, params)
-    return int(step), new_params, state
+    self._rolled_back_to = step if step < steps[-1] else None
+    return step, new_params, state
 
-  def _check_metadata(self, step, params_abs, state_abs) -> None:
-    saved = self._manager.item_metadata(step)
-    for item, template in (("params", params_abs), ("opt_state", state_abs)):
+  def _read(self, step: int, what: str, read: Any) -> Any:
+    """`read()`, with an error naming the step and what could not be read."""
+    try:
+      return read()
+    except Exception as e:
+      raise OSError(
+        f"Checkpoint {step} in {self.directory}: cannot read its {what} "
+        f"(damaged or missing files); the complete checkpoints are steps "
+        f"{sorted(self._manager.all_steps())}."
+      ) from e
+
+  def _check_metadata(self, step: int, targets: dict[str, Any]) -> None:
+    saved = self._read(
+      step, "metadata", lambda: self._manager.item_metadata(step)
+    )
+    for item, tree in targets.items():
       meta = saved[item]
-      if set(meta) != set(template):
+      names = _names(tree)
+      wanted = {name for name, _, _ in names}
+      if set(meta) != wanted:
+        # Compared without the index prefix: one extra leaf shifts the index
+        # of every later leaf.
+        saved_paths = {name.split("_", 1)[-1] for name in meta}
+        target_paths = {name.split("_", 1)[-1] for name in wanted}
+        extra = sorted(saved_paths - target_paths)
+        missing = [
+          path
+          for name, path, _ in names
+          if name.split("_", 1)[-1] not in saved_paths
+        ]
         raise ValueError(
-          f"Checkpoint {step} {item} has leaves {sorted(set(meta) ^ set(template))[:5]}"
-          " that the target does not (or the reverse): different model or "
-          "optimizer structure."
+          f"Checkpoint {step} {item} does not match the target: leaves only "
+          f"in the checkpoint {extra[:5]}, only in the target "
+          f"{missing[:5]} ({len(meta)} saved leaves, {len(wanted)} wanted). "
+          "The model or the optimizer differs from the one that saved it."
         )
-      for key, abs_leaf in template.items():
-        m = meta[key]
+      for name, path, abs_leaf in names:
+        m = meta[name]
         if tuple(m.shape) != tuple(abs_leaf.shape) or np.dtype(
           m.dtype
         ) != np.dtype(abs_leaf.dtype):
           raise ValueError(
-            f"Checkpoint {step} {item} leaf {key} is {m.dtype}{list(m.shape)},"
-            f" the target wants {abs_leaf.dtype}{list(abs_leaf.shape)}; "
-            "orbax would cast silently, so this refuses."
+            f"Checkpoint {step} {item} leaf {path} is {m.dtype}"
+            f"{list(m.shape)}, the target wants {abs_leaf.dtype}"
+            f"{list(abs_leaf.shape)}; orbax would cast silently, so this "
+            "refuses."
           )
+
+  def _restore_arrays(
+    self, step: int, targets: dict[str, Any]
+  ) -> dict[str, dict[str, Any]]:
+    flats = {item: _flat(tree) for item, tree in targets.items()}
+    try:
+      return self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          **{k: ocp.args.StandardRestore(v) for k, v in flats.items()}
+        ),
+      )
+    except Exception as e:
+      bad = [
+        f"{item}{path}"
+        for item, tree in targets.items()
+        for path in self._unreadable(step, item, tree)
+      ]
+      if not bad:
+        raise
+      raise OSError(
+        f"Checkpoint {step} in {self.directory}: cannot read "
+        f"{len(bad)} leaves {bad[:10]} (damaged or missing data); restore "
+        "another step (all_steps() lists them)."
+      ) from e
+
+  def _unreadable(self, step: int, item: str, tree: Any) -> list[str]:
+    """Tree paths of the leaves of `item` that fail to restore, by bisection."""
+    names = _names(tree)
+    reader = ocp.PyTreeCheckpointer()
+    path = os.path.join(self.directory, str(step), item)
+
+    def fails(chunk):
+      sub = {name: leaf for name, _, leaf in chunk}
+      try:
+        reader.restore(
+          path,
+          args=ocp.args.PyTreeRestore(
+            item=sub,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(sub),
+            partial_restore=True,
+          ),
+        )
+      except Exception:
+        return True
+      return False
+
+    def search(chunk):
+      if not chunk or not fails(chunk):
+        return []
+      if len(chunk) == 1:
+        return [chunk[0][1]]
+      half = len(chunk) // 2
+      return search(chunk[:half]) + search(chunk[half:])
+
+    return search(names)
 
   def wait(self) -> None:
     """Blocks until pending saves are complete."""
     self._manager.wait_until_finished()
+    _pending_saves.discard(self._manager)
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    """Finishes pending saves and releases orbax's resources."""
+    if self._closed:
+      return
+    self.wait()
     self._manager.close()
-
-
-def _replicated_like(state_template, params, param_shardings):
-  """Shardings for a state without a TrainStep: every leaf on the first
-  param's devices, replicated."""
-  leaves = jax.tree.leaves(param_shardings)
-  first = (
-    leaves[0] if leaves else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  )
-  if isinstance(first, NamedSharding):
-    rep = NamedSharding(first.mesh, P())
-  else:
-    rep = first
-  return jax.tree.map(lambda _: rep, state_template)
+    self._closed = True
