@@ -15,13 +15,49 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_train import fp8
 
 
 def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+  """A differentiable leaf: a floating (float8 aside) or complex array."""
+  dtype = jnp.asarray(x).dtype
+  return jnp.issubdtype(dtype, jnp.inexact) and dtype.itemsize > 1
+
+
+def _check_loss_scale(loss_scale: Any) -> jax.Array:
+  """The loss scale as a float32 scalar, or an error naming the argument."""
+  dtype = getattr(loss_scale, "dtype", None)
+  if dtype is None and isinstance(loss_scale, (int, float)):
+    dtype = np.asarray(loss_scale).dtype
+  ok = (
+    dtype is not None
+    and not isinstance(loss_scale, bool)
+    and (
+      jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    )
+    and np.ndim(loss_scale) == 0
+  )
+  if not ok:
+    raise TypeError(
+      "accumulate_gradients: loss_scale must be a real scalar (e.g. "
+      f"jmp_train.current_loss_scale(opt_state)), got {loss_scale!r}."
+    )
+  return jnp.asarray(loss_scale, jnp.float32)
+
+
+def _float_loss(loss: Any) -> jax.Array:
+  """The loss as a float32 scalar; integer or complex losses are refused."""
+  loss = jnp.asarray(loss)
+  if not jnp.issubdtype(loss.dtype, jnp.floating) or loss.ndim != 0:
+    raise TypeError(
+      "loss_fn must return a real floating-point scalar, got "
+      f"{loss.dtype}{list(loss.shape)}: the gradient of an integer loss is "
+      "zero everywhere (casting it to float would hide that)."
+    )
+  return loss.astype(jnp.float32)
 
 
 def _check_accum_steps(accum_steps: Any) -> int:
@@ -88,10 +124,10 @@ def accumulate_gradients(
     (7.0, [3.0, 4.0])
   """
   accum_steps = _check_accum_steps(accum_steps)
-  loss_scale = jnp.asarray(loss_scale, jnp.float32)
+  loss_scale = _check_loss_scale(loss_scale)
 
   def scaled_loss(p, b):
-    loss = jnp.asarray(loss_fn(p, b)).astype(jnp.float32)
+    loss = _float_loss(loss_fn(p, b))
     return loss * loss_scale, loss
 
   grad_fn = jax.value_and_grad(scaled_loss, has_aux=True, allow_int=True)

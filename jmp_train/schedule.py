@@ -45,7 +45,7 @@ def _full_values(params: Any, masters: Any) -> Any:
   """Each float param's float32 value: its master if it has one."""
 
   def full(p, m):
-    if fp8_lib.is_fp8_state(p) or not transform._is_float(p):
+    if fp8_lib.is_fp8_state(p) or not transform._is_real_float(p):
       return p
     if not transform._is_masked(m):
       return m
@@ -112,7 +112,9 @@ def adjust_precision(
   full = _full_values(params, state.master_params)
   if param_dtypes is None:
     target = jax.tree.map(
-      lambda p: preset.policy.param_dtype if transform._is_float(p) else None,
+      lambda p: (
+        preset.policy.param_dtype if transform._is_real_float(p) else None
+      ),
       params,
       is_leaf=fp8_lib.is_fp8_state,
     )
@@ -132,7 +134,7 @@ def adjust_precision(
       )
 
   def new_param(x, dtype):
-    if fp8_lib.is_fp8_state(x) or not transform._is_float(x):
+    if fp8_lib.is_fp8_state(x) or not transform._is_real_float(x):
       return x
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(

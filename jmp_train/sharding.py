@@ -424,6 +424,11 @@ class TrainStep:
           return jnp.zeros_like(p)
         if is_fp8:  # amaxes: the max over devices, not the sum
           return jax.lax.pmax(g, axis)
+        # Divide before summing, so the sum of N per-device means cannot
+        # overflow float16 where one device's mean over the whole batch
+        # would not: the skip decision must not depend on N.
+        wide = jnp.promote_types(g.dtype, jnp.float32)
+        g = (g.astype(wide) * (1.0 / n)).astype(g.dtype)
         if zero and lay.dim is not None:
           return jax.lax.psum_scatter(
             lay.pad(g), axis, scatter_dimension=lay.dim, tiled=True
@@ -468,10 +473,9 @@ class TrainStep:
         out_specs=(P(), grad_specs),
         axis_names={axis},
       )(params, batch, scale)
-      inv_n = 1.0 / n
       grads = jax.tree.map(
         lambda g, is_fp8: (
-          g.astype(jnp.promote_types(g.dtype, jnp.float32)) * inv_n
+          g.astype(jnp.promote_types(g.dtype, jnp.float32))
           if transform._is_float(g) and not is_fp8
           else g
         ),
@@ -558,7 +562,51 @@ class TrainStep:
   def __call__(self, params, opt_state, batch):
     """One step: returns `(params, opt_state, metrics)`; donates its inputs."""
     self._check_batch(batch)
+    _check_not_donated(params, "params")
+    _check_not_donated(opt_state, "opt_state")
+    self._check_opt_state(params, opt_state)
     return self.jitted(params)(params, opt_state, batch)
+
+  def _check_opt_state(self, params, opt_state) -> None:
+    """Refuses a state that is not what `init(params)` builds for this step.
+
+    Another optimizer's state, or params of other dtypes or shapes than the
+    state was built for, would otherwise fail deep inside jit with a pytree
+    or type error that names neither.
+    """
+    expected = self.plan(params).opt_state_padded
+    want = jax.tree.structure(expected)
+    got = jax.tree.structure(opt_state)
+    hint = (
+      "Build the state with this step's init(params), for these params "
+      "(their dtypes and shapes) and this optimizer."
+    )
+    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state)
+    if want != got:
+      names = lambda tree: [_keystr(p) for p, _ in tree]  # noqa: E731
+      have = names(flat)
+      need = names(jax.tree_util.tree_flatten_with_path(expected)[0])
+      missing = [k for k in need if k not in set(have)][:3]
+      extra = [k for k in have if k not in set(need)][:3]
+      detail = (
+        f"it lacks leaves {missing} and has leaves {extra} the step does not "
+        "build"
+        if missing or extra
+        else f"expected {want}, got {got}"
+      )
+      raise ValueError(
+        "opt_state does not have the structure this TrainStep's optimizer "
+        f"builds for these params: {detail}. {hint}"
+      )
+    for (path, x), e in zip(flat, jax.tree.leaves(expected), strict=True):
+      shape, dtype = tuple(np.shape(x)), np.dtype(getattr(x, "dtype", None))
+      if shape != tuple(e.shape) or dtype != np.dtype(e.dtype):
+        name = _keystr(path)
+        raise ValueError(
+          f"opt_state leaf {name!r} is {dtype.name}{list(shape)}, but for "
+          f"these params this TrainStep expects "
+          f"{np.dtype(e.dtype).name}{list(e.shape)}. {hint}"
+        )
 
   def _check_batch(self, batch) -> None:
     multiple = self.num_shards * self.accum_steps
@@ -569,6 +617,23 @@ class TrainStep:
           f"accum_steps = {self.num_shards} x {self.accum_steps}; got shape "
           f"{np.shape(x)}."
         )
+
+
+def _keystr(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _check_not_donated(tree: Any, name: str) -> None:
+  """Refuses arrays a previous call donated (reusing them crashes XLA)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  for path, x in flat:
+    if isinstance(x, jax.Array) and x.is_deleted():
+      leaf = _keystr(path)
+      raise ValueError(
+        f"{name} leaf {leaf!r} was donated to an earlier call of this train "
+        f"step and its buffer is gone: pass the {name} that call returned "
+        "(params, opt_state, metrics = step(params, opt_state, batch))."
+      )
 
 
 def _has_mixed_precision(opt_state) -> bool:

@@ -12,11 +12,19 @@ gradients of the *scaled* loss, in the params' dtype, and
    keeps the inner state and master weights bit-identical;
 5. adjusts the loss scale and counts steps, skipped steps and the grad norm.
 
-Integer and other non-float param leaves are hidden from `inner` (like
+Float and complex params are trained (complex ones as optax trains them).
+Integer and boolean param leaves are hidden from `inner` (like
 `optax.masked`) and never change; so are FP8 states (`jmp_train.fp8`), which
 the train step advances with `fp8.update`: `mixed_precision` passes them
 through bit-identical, keeps no master copy or optimizer state for them and
-leaves them out of the finite check and the grad norm.
+leaves them out of the finite check and the grad norm. float8 arrays and
+non-array objects are refused, as are gradients whose shape is not their
+param's.
+
+`mixed_precision` must be the outermost transformation. optax gives
+`update` no view of its neighbours, so the order is checked where the state
+is read (`current_loss_scale`, `train_metrics`, the train step): a
+`mixed_precision` state beside others in an `optax.chain` raises there.
 """
 
 from __future__ import annotations
@@ -40,7 +48,25 @@ def _is_masked(x: Any) -> bool:
 
 
 def _is_float(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+  """A trainable leaf: a floating or complex array (float8 excluded)."""
+  return (
+    hasattr(x, "dtype")
+    and jnp.issubdtype(x.dtype, jnp.inexact)
+    and np.dtype(x.dtype).itemsize > 1
+  )
+
+
+def _is_real_float(x: Any) -> bool:
+  """A float16/bfloat16/float32/float64 leaf: what a policy casts."""
+  return _is_float(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _is_float8(x: Any) -> bool:
+  return (
+    hasattr(x, "dtype")
+    and jnp.issubdtype(x.dtype, jnp.floating)
+    and np.dtype(x.dtype).itemsize == 1
+  )
 
 
 def _trainable(tree: Any) -> Any:
@@ -68,6 +94,11 @@ def _full_dtype(dtype) -> np.dtype:
 
 def _needs_master(x: Any) -> bool:
   return _is_float(x) and np.dtype(x.dtype).itemsize < 4
+
+
+class _Pair(NamedTuple):
+  update: Any
+  master: Any
 
 
 class MixedPrecisionState(NamedTuple):
@@ -98,20 +129,92 @@ class MixedPrecisionState(NamedTuple):
   skip_streak: jax.Array
 
 
+_LOSS_SCALE_KINDS = (
+  "a NoOpLossScale, StaticLossScale or DynamicLossScale, a positive number "
+  "(a static scale) or None"
+)
+
+
 def _as_loss_scale(loss_scale: Any) -> ls_lib.LossScale:
-  if isinstance(
-    loss_scale,
-    (ls_lib.NoOpLossScale, ls_lib.StaticLossScale, ls_lib.DynamicLossScale),
-  ):
-    return loss_scale
+  """The loss scale `mixed_precision` starts from, validated."""
   if loss_scale is None:
     return ls_lib.NoOpLossScale()
-  if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-    return ls_lib.StaticLossScale(loss_scale)
+  if isinstance(loss_scale, ls_lib.StaticLossScale):
+    if not float(loss_scale.loss_scale) > 0:
+      raise ValueError(
+        f"loss_scale={loss_scale!r} would multiply every gradient by 0 (and "
+        f"unscale by 1/0); pass {_LOSS_SCALE_KINDS}."
+      )
+    return loss_scale
+  if isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.DynamicLossScale)):
+    return loss_scale
+  if isinstance(loss_scale, jax.core.Tracer):
+    # optax.inject_hyperparams turns every number into a traced hyperparameter
+    # that it would let the user change; the scale lives in the state instead.
+    raise TypeError(
+      "loss_scale is traced: it is a setting fixed at init (the running scale "
+      "lives in the state), so it cannot be a hyperparameter. With "
+      "optax.inject_hyperparams(mixed_precision), pass "
+      "static_args=('loss_scale',) or a loss-scale object."
+    )
+  # A real number: Python, NumPy or a concrete JAX scalar.
+  if isinstance(loss_scale, (int, float, np.generic, np.ndarray, jax.Array)):
+    dtype = np.asarray(loss_scale).dtype
+    real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(
+      dtype, jnp.floating
+    )
+    if real and np.ndim(loss_scale) == 0:
+      return _as_loss_scale(ls_lib.StaticLossScale(float(loss_scale)))
   raise TypeError(
-    "loss_scale must be a NoOpLossScale, StaticLossScale, DynamicLossScale, "
-    f"a positive number (static scale) or None, got {loss_scale!r}."
+    f"loss_scale must be {_LOSS_SCALE_KINDS}, got {loss_scale!r}."
   )
+
+
+def _path(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _checked_leaves(tree: Any, what: str) -> Any:
+  """`tree` with Python numbers as arrays; refuses what cannot be trained.
+
+  Float and complex arrays are trained, integer and boolean ones pass through
+  unchanged. float8 arrays and non-array objects are refused: a policy never
+  casts float8 and no optimizer can update it exactly, and any other object
+  would otherwise be silently left alone.
+  """
+
+  def check(path, x):
+    if isinstance(x, (bool, int, float, complex)):
+      return jnp.asarray(x)
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+      raise TypeError(
+        f"mixed_precision: {what} leaf {_path(path)!r} is {x!r}; expected "
+        "arrays (float, complex, integer or boolean) or Python numbers."
+      )
+    if _is_float8(x):
+      raise TypeError(
+        f"mixed_precision: {what} leaf {_path(path)!r} has dtype {x.dtype}; "
+        "float8 arrays are not trainable params (they carry no scale, and "
+        "no optimizer updates them). Keep the weight in bfloat16 or float32 "
+        "and run its matmuls in FP8 with jmp_train.fp8."
+      )
+    return x
+
+  return jax.tree_util.tree_map_with_path(check, tree)
+
+
+def _check_grad_shapes(grads: Any, params: Any) -> None:
+  """Refuses a gradient whose shape is not its param's (it would broadcast)."""
+
+  def check(path, g, p):
+    if _is_float(p) and tuple(np.shape(g)) != tuple(np.shape(p)):
+      raise ValueError(
+        f"mixed_precision: the gradient of {_path(path)!r} has shape "
+        f"{tuple(np.shape(g))}, its param {tuple(np.shape(p))}; gradients "
+        "must have their params' shapes."
+      )
+
+  jax.tree_util.tree_map_with_path(check, grads, params)
 
 
 def _check_same_structure(grads: Any, params: Any) -> None:
@@ -149,7 +252,10 @@ def mixed_precision(
       args such as `value` are forwarded to it).
     loss_scale: a `NoOpLossScale` (the default, for float32 and bfloat16), a
       `StaticLossScale`, a `DynamicLossScale` (see `dynamic_loss_scale`), or a
-      positive number meaning a static scale.
+      positive number (Python, NumPy or a concrete JAX scalar) meaning a
+      static scale. It is the starting point: the running scale lives in the
+      state, so under `optax.inject_hyperparams` a number must be among
+      `static_args`.
     master_weights: keep float32 master copies of the float params stored
       below float32. None (the default) or True: yes, for exactly those
       params (float32 params are their own master); False: never, and
@@ -159,11 +265,21 @@ def mixed_precision(
       of to nearest, so updates below half an ulp survive on average. The
       random bits come from `seed`, the step number and the leaf, so a run
       (and a resumed run) is reproducible.
-    seed: the seed of the stochastic rounding.
+    seed: the seed of the stochastic rounding: an int, or an integer JAX
+      scalar (`optax.inject_hyperparams` passes it as one).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
     `MixedPrecisionState`.
+
+  Raises:
+    TypeError: for an `inner` that is not a transformation, a loss scale,
+      `master_weights`, `stochastic_rounding` or `seed` of the wrong kind;
+      in `init`/`update`, for float8 or non-array param leaves and for a
+      state that is not a `MixedPrecisionState`.
+    ValueError: for a zero static scale, stochastic rounding with master
+      weights, and in `update` for gradients whose structure or shapes are
+      not the params'.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_train
@@ -179,6 +295,14 @@ def mixed_precision(
     >>> opt_state.master_params["w"]
     Array([0.9, 0.9, 0.9], dtype=float32)
   """
+  if not (
+    callable(getattr(inner, "init", None))
+    and callable(getattr(inner, "update", None))
+  ):
+    raise TypeError(
+      "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+      f"got {inner!r}."
+    )
   scaler0 = _as_loss_scale(loss_scale)
   if master_weights is not None and not isinstance(master_weights, bool):
     raise TypeError(
@@ -194,12 +318,22 @@ def mixed_precision(
       "stochastic_rounding=True rounds low-precision params without master "
       f"weights: pass master_weights=False (got {master_weights!r})."
     )
-  if isinstance(seed, bool) or not isinstance(seed, int):
-    raise TypeError(f"seed must be an int, got {seed!r}.")
+  # An integer scalar; optax.inject_hyperparams hands it over as an int32
+  # array (traced in update), which fold_in takes as well.
+  seed_dtype = getattr(seed, "dtype", None)
+  if isinstance(seed, bool) or not (
+    isinstance(seed, int)
+    or (
+      seed_dtype is not None
+      and jnp.issubdtype(seed_dtype, jnp.integer)
+      and np.ndim(seed) == 0
+    )
+  ):
+    raise TypeError(f"seed must be an integer scalar, got {seed!r}.")
   inner = optax.with_extra_args_support(inner)
 
   def init(params: optax.Params) -> MixedPrecisionState:
-    params = _trainable(params)
+    params = _checked_leaves(_trainable(params), "params")
 
     def master(p):
       if keep_masters and _needs_master(p):
@@ -223,8 +357,18 @@ def mixed_precision(
       raise ValueError(
         "mixed_precision needs params: call tx.update(grads, state, params)."
       )
+    if not isinstance(state, MixedPrecisionState):
+      raise TypeError(
+        "mixed_precision's update got a state of type "
+        f"{type(state).__name__}, not the MixedPrecisionState its init "
+        "returns: pass the state built by this transformation's init (in "
+        "optax.chain, the element of the chain's state at its position)."
+      )
     _check_same_structure(grads, params)
-    full_params, grads, params = params, _trainable(grads), _trainable(params)
+    full_params = params
+    params = _checked_leaves(_trainable(params), "params")
+    grads = _checked_leaves(_trainable(grads), "gradients")
+    _check_grad_shapes(grads, params)
     scaler = state.loss_scaler
 
     # Unscaled gradients in float32 (at least); non-float leaves are masked.
@@ -242,32 +386,24 @@ def mixed_precision(
         grads_full, inner_state, _full_view(params, masters), **extra_args
       )
 
-      def new_master(m, u):
-        return m if _is_masked(m) else (m + u).astype(jnp.float32)
-
-      masters = jax.tree.map(
-        new_master, masters, inner_updates, is_leaf=_is_masked
-      )
-
       # Master leaves emit the float32 delta cast(new_master) - param, which
       # optax.apply_updates turns into cast(new_master) exactly; so do
       # stochastically rounded leaves, with their rounded value.
       def out_update(p, m, u, key):
         if _is_masked(p):
-          return _MASKED
+          return _Pair(_MASKED, m)
         if not _is_float(p):
-          return jnp.zeros_like(p)
+          return _Pair(jnp.zeros_like(p), m)
         if not _is_masked(m):
-          new = m.astype(p.dtype)
-        elif stochastic_rounding and _needs_master(p):
+          return _Pair(*_exact_delta(p, (m + u).astype(jnp.float32)))
+        if stochastic_rounding and _needs_master(p):
           new = rounding.cast_stochastic(
             p.astype(jnp.float32) + u, p.dtype, key
           )
-        else:
-          return u.astype(_full_dtype(p.dtype))
-        return new.astype(jnp.float32) - p.astype(jnp.float32)
+          return _Pair(new.astype(jnp.float32) - p.astype(jnp.float32), m)
+        return _Pair(u.astype(_full_dtype(p.dtype)), m)
 
-      updates = jax.tree.map(
+      pairs = jax.tree.map(
         out_update,
         params,
         masters,
@@ -275,6 +411,9 @@ def mixed_precision(
         _leaf_keys(params, state.steps),
         is_leaf=_is_masked,
       )
+      is_pair = lambda x: isinstance(x, _Pair)  # noqa: E731
+      updates = jax.tree.map(lambda x: x.update, pairs, is_leaf=is_pair)
+      masters = jax.tree.map(lambda x: x.master, pairs, is_leaf=is_pair)
       return updates, inner_state, masters
 
     def skip(operand):
@@ -330,10 +469,46 @@ def _sq_norm_and_finite(grads: Any) -> tuple[jax.Array, jax.Array]:
 
   def sq_sum(g):
     g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-    return jnp.sum(jnp.where(jnp.isfinite(g), jnp.square(g), jnp.nan))
+    if jnp.issubdtype(g.dtype, jnp.complexfloating):  # |g|^2
+      square = jnp.square(jnp.real(g)) + jnp.square(jnp.imag(g))
+    else:
+      square = jnp.square(g)
+    return jnp.sum(jnp.where(jnp.isfinite(g), square, jnp.nan))
 
   total = sum(sq_sum(g).astype(jnp.float32) for g in leaves)
   return total, ~jnp.isnan(total)
+
+
+def _exact_delta(param: jax.Array, master: jax.Array) -> tuple:
+  """The float32 update taking `param` to `cast(master)`, and the master.
+
+  `optax.apply_updates` computes `cast(float32(param) + update)`. With
+  `update = float32(cast(master)) - float32(param)` that is `cast(master)`
+  whenever the subtraction is exact, which fails only when the new value is
+  below about 2**-16 of the old one (a param crossing zero): then no float32
+  update reaches `cast(master)`. On those elements the master moves to
+  `float32(param) + (master - float32(param))`, the nearest value the update
+  can reach (it differs from the master by at most 2**-24 of the old param,
+  below the float32 rounding of the step itself), and the update goes there.
+  Either way `apply_updates(param, update) == cast(master)`, bit for bit.
+  """
+  param32 = param.astype(jnp.float32)
+  delta = master.astype(param.dtype).astype(jnp.float32) - param32
+  reached = (param32 + delta).astype(param.dtype)
+  exact = _same_bits(reached, master.astype(param.dtype))
+  near_delta = master - param32
+  near_master = param32 + near_delta
+  return (
+    jnp.where(exact, delta, near_delta),
+    jnp.where(exact, master, near_master),
+  )
+
+
+def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Elementwise bit equality of two arrays of one 16-bit float dtype."""
+  return jax.lax.bitcast_convert_type(a, jnp.uint16) == (
+    jax.lax.bitcast_convert_type(b, jnp.uint16)
+  )
 
 
 def _skip_updates(params: optax.Params) -> optax.Params:
@@ -345,7 +520,10 @@ def _skip_updates(params: optax.Params) -> optax.Params:
   def skip(p):
     if not _is_float(p):
       return jnp.zeros_like(p)
-    return jnp.full(p.shape, -0.0, _full_dtype(p.dtype))
+    dtype = _full_dtype(p.dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      return jnp.full(p.shape, complex(-0.0, -0.0), dtype)
+    return jnp.full(p.shape, -0.0, dtype)
 
   return jax.tree.map(skip, params)
 
@@ -372,13 +550,73 @@ def _mixed_precision_states(opt_state: Any) -> list[MixedPrecisionState]:
 
 
 def _find_state(opt_state: Any) -> MixedPrecisionState:
-  found = _mixed_precision_states(opt_state)
+  is_state = lambda x: isinstance(x, MixedPrecisionState)  # noqa: E731
+  found = [
+    (path, leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+      opt_state, is_leaf=is_state
+    )[0]
+    if is_state(leaf)
+  ]
   if len(found) != 1:
     raise ValueError(
       "Expected exactly one mixed_precision state in the optimizer state, "
       f"found {len(found)}."
     )
-  return found[0]
+  path, state = found[0]
+  _check_outermost(opt_state, path)
+  return state
+
+
+def _child(node: Any, key: Any) -> Any:
+  """The child of `node` at one key of a tree path (None if unknown)."""
+  tree_util = jax.tree_util
+  if isinstance(key, tree_util.SequenceKey):
+    return node[key.idx]
+  if isinstance(key, tree_util.DictKey):
+    return node[key.key]
+  if isinstance(key, tree_util.GetAttrKey):
+    return getattr(node, key.name)
+  if isinstance(key, tree_util.FlattenedIndexKey):
+    children = tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    return children[0][key.key]
+  return None
+
+
+def _check_outermost(opt_state: Any, path: tuple) -> None:
+  """Refuses a `mixed_precision` state that has neighbours in a chain.
+
+  `optax.chain(clip, mixed_precision(...))` clips the scaled gradients, and
+  `optax.chain(mixed_precision(...), other)` changes the exact updates that
+  keep params equal to their masters cast down. In the state, the first is a
+  tuple (the chain's) holding this state after another one, the second one
+  holding it before another one (`optax.named_chain`: a dict of states).
+  Nothing in optax lets `update` see its neighbours, so the check runs where
+  the state is read: `current_loss_scale`, `train_metrics`, the train step.
+  """
+  node = opt_state
+  for key in path:
+    child = _child(node, key)
+    if child is None:
+      return
+    in_chain = type(node) is tuple and isinstance(
+      key, jax.tree_util.SequenceKey
+    )
+    in_named = isinstance(node, dict) and isinstance(child, MixedPrecisionState)
+    if (in_chain or in_named) and len(node) > 1:
+      position = key.idx if in_chain else list(node).index(key.key)
+      which = (
+        "before it sees the scaled gradients (a clip would clip them)"
+        if position > 0
+        else "after it changes the updates that keep params == cast(master)"
+      )
+      raise ValueError(
+        "mixed_precision must be the outermost transformation, but its state "
+        f"is element {position} of an optax chain of {len(node)}: a "
+        f"transformation {which}. Put the others inside it: "
+        "mixed_precision(optax.chain(clip, ..., optimizer))."
+      )
+    node = child
 
 
 def current_loss_scale(opt_state: optax.OptState) -> jax.Array:

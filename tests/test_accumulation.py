@@ -70,6 +70,37 @@ def test_rejects_bad_accum_steps_and_batches():
     )
 
 
+def test_rejects_integer_losses_and_bad_loss_scales():
+  params, batch = {"w": jnp.ones(2)}, jnp.ones((4, 2))
+  int_loss = lambda p, b: jnp.sum(b @ p["w"]).astype(jnp.int32)  # noqa: E731
+  for k in (1, 2):  # its gradient would be silently zero
+    with pytest.raises(TypeError, match=r"real floating-point scalar.*int32"):
+      accumulation.accumulate_gradients(int_loss, params, batch, k)
+  loss = lambda p, b: jnp.mean(b @ p["w"])  # noqa: E731
+  for bad in ("x", None, jnp.ones(2), True):
+    with pytest.raises(TypeError, match="loss_scale must be a real scalar"):
+      accumulation.accumulate_gradients(loss, params, batch, 2, loss_scale=bad)
+
+
+def test_complex_params_get_their_gradients():
+  # Complex params are trained as optax trains them: their gradients (JAX's
+  # convention) are accumulated, not replaced by zeros like integers'.
+  rng = np.random.default_rng(0)
+  z = jnp.asarray(rng.standard_normal(3) + 1j * rng.standard_normal(3))
+  params = {"z": z.astype(jnp.complex64), "n": jnp.int32(2)}
+  batch = jnp.asarray(rng.standard_normal((8, 3)), jnp.float32)
+
+  def loss(p, b):
+    return jnp.mean(jnp.abs(b @ p["z"]) ** 2) * p["n"]
+
+  ref = jax.grad(loss, allow_int=True)(params, batch)["z"]  # plain JAX
+  for k in (1, 4):
+    _, grads = accumulation.accumulate_gradients(loss, params, batch, k)
+    assert grads["z"].dtype == jnp.complex64
+    np.testing.assert_allclose(grads["z"], ref, rtol=1e-5)
+    assert int(grads["n"]) == 0
+
+
 def test_zero1_step_with_accumulation_equals_one_big_batch():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   tx = jmp.mixed_precision(

@@ -127,7 +127,7 @@ def test_fp32_to_bf16_true_makes_exact_masters_per_param_dtypes():
 
 def test_loss_scale_kept_only_for_same_settings_and_found_in_a_chain():
   fp16 = jmp_train.get_preset("fp16-mixed")
-  tx = optax.chain(optax.identity(), fp16.mixed_precision(optax.sgd(0.1)))
+  tx = optax.chain(fp16.mixed_precision(optax.sgd(0.1)))
   params = _params()
   state = tx.init(params)
   inf_grads = jax.tree.map(

@@ -285,3 +285,66 @@ def test_zero1_shardings_public_function():
   assert sum("data" in tuple(s) for s in specs) == 3 * len(
     jax.tree.leaves(params)
   )  # masters, mu and nu
+
+
+# --- Inputs that used to fail silently, late or with a crash ----------------
+
+
+def _linear_loss(params, batch):
+  # The gradient of w is the mean of the batch's rows, whatever w is.
+  return jnp.mean(batch["x"] @ params["w"].astype(jnp.float32))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_float16_reduction_does_not_overflow_where_one_device_would_not(
+  zero_stage,
+):
+  # Every device's gradient is 19,664 (float16-exact); their sum over 8
+  # devices, 157,312, exceeds float16's 65,504, the mean does not. One device
+  # with the whole batch applies the step, so 8 devices must too.
+  lr = 2.0**-16
+  tx = jmp.mixed_precision(optax.sgd(lr), loss_scale=jmp.StaticLossScale(1.0))
+  params = {"w": jnp.ones((8,), jnp.float16)}
+  batch = {"x": np.full((16, 8), 19664.0, np.float32)}
+  step = sharding.make_train_step(
+    _linear_loss, tx, mesh=_mesh(), zero_stage=zero_stage
+  )
+  placed, state = step.init(params)
+  new, state, metrics = step(placed, state, batch)
+  assert (
+    bool(metrics["last_step_finite"]) and int(metrics["skipped_steps"]) == 0
+  )
+  # float64 reference: master = 1 - lr * 19664, params its float16 cast.
+  master = np.float32(1.0 - lr * 19664.0)
+  masters = step.to_logical(state).master_params["w"]
+  np.testing.assert_array_equal(masters, np.full(8, master))
+  np.testing.assert_array_equal(new["w"], np.full(8, master, np.float16))
+
+
+def test_step_refuses_donated_mismatched_and_integer_loss_inputs():
+  tx = jmp.mixed_precision(optax.sgd(0.1))
+  params = {"w": jnp.ones((8,), jnp.float32)}
+  batch = {"x": np.ones((16, 8), np.float32)}
+  step = sharding.make_train_step(_linear_loss, tx, mesh=_mesh())
+  placed, state = step.init(params)
+  new, new_state, _ = step(placed, state, batch)
+  with pytest.raises(ValueError, match="params leaf 'w' was donated"):
+    step(placed, new_state, batch)  # the old, donated params
+  with pytest.raises(ValueError, match="opt_state leaf .* was donated"):
+    step(new, state, batch)
+  with pytest.raises(ValueError, match="opt_state does not have the structure"):
+    step(new, optax.adam(0.1).init(params), batch)
+  bf16 = {"w": jnp.ones((8,), jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"lacks leaves \['master_params/w'\]"):
+    step(bf16, new_state, batch)  # a state built for float32 params
+  bf16_step = sharding.make_train_step(_linear_loss, tx, mesh=_mesh())
+  _, bf16_state = bf16_step.init(bf16)
+  wider = {"w": jnp.ones((16,), jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"master_params/w' is float32\[8\]"):
+    bf16_step(bf16_step.init(wider)[0], bf16_state, batch)
+  int_loss = sharding.make_train_step(
+    lambda p, b: jnp.sum(b["x"] @ p["w"]).astype(jnp.int32), tx, mesh=_mesh()
+  )
+  placed, state = int_loss.init(params)
+  with pytest.raises(TypeError, match="loss_fn must return a real float"):
+    int_loss(placed, state, batch)

@@ -361,8 +361,7 @@ def test_inside_chain_with_inject_hyperparams_and_extra_args():
     ),
   )
   tx = optax.chain(
-    optax.identity(),
-    jmp_train.mixed_precision(inner, loss_scale=jmp_train.StaticLossScale(4.0)),
+    jmp_train.mixed_precision(inner, loss_scale=jmp_train.StaticLossScale(4.0))
   )
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
@@ -568,3 +567,213 @@ def test_one_non_finite_entry_anywhere_skips(bad, where):
   assert not bool(state.last_step_finite) and int(state.skipped_steps) == 1
   for u in jax.tree.leaves(updates):  # -0.0 everywhere: params unchanged
     assert np.all(np.asarray(u, np.float32) == 0) and np.all(np.signbit(u))
+
+
+# --- Composition, hyperparameter injection and exactness near zero ---------
+
+
+def test_chain_around_mixed_precision_is_refused_with_the_fix():
+  params = {"w": jnp.ones(2)}
+  sgd = lambda: jmp_train.mixed_precision(optax.sgd(0.1))  # noqa: E731
+  wrong = {
+    "clip before": optax.chain(optax.clip_by_global_norm(1.0), sgd()),
+    "scale after": optax.chain(sgd(), optax.scale(0.5)),
+    "named_chain": optax.named_chain(("clip", optax.clip(1.0)), ("mp", sgd())),
+    "inside MultiSteps": optax.MultiSteps(
+      optax.chain(optax.clip_by_global_norm(1.0), sgd()), every_k_schedule=2
+    ),
+  }
+  for name, tx in wrong.items():
+    state = tx.init(params)
+    for read in (jmp_train.current_loss_scale, jmp_train.train_metrics):
+      with pytest.raises(ValueError, match=r"outermost.*mixed_precision\("):
+        read(state)
+    assert name  # every wrong order is caught where the state is read
+  fine = [
+    optax.chain(sgd()),
+    optax.MultiSteps(sgd(), every_k_schedule=2),
+    optax.multi_transform({"a": sgd(), "b": optax.sgd(1.0)}, {"w": "a"}),
+  ]
+  for tx in fine:
+    assert float(jmp_train.current_loss_scale(tx.init(params))) == 1.0
+
+
+def test_the_fix_clips_unscaled_gradients_like_plain_optax():
+  # What the error recommends: clipping inside mixed_precision sees the
+  # unscaled gradients, so a float16 loss scale of 2**15 changes nothing.
+  tx = jmp_train.mixed_precision(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+    loss_scale=jmp_train.StaticLossScale(2.0**15),
+  )
+  ref_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+  ours, ref = (
+    make_step(tx),
+    jax.jit(lambda p, s, x, y: _plain_step(ref_tx, p, s, x, y)),
+  )
+  params = ref_params = init_params()
+  state, ref_state = tx.init(params), ref_tx.init(ref_params)
+  for x, y in batches(5):
+    params, state = ours(params, state, x, y, jnp.float32(0))
+    ref_params, ref_state = ref(ref_params, ref_state, x, y)
+  assert_close(params, ref_params)
+
+
+def _plain_step(tx, params, state, x, y):
+  grads = jax.grad(loss_fn)(params, x, y)
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def test_inject_hyperparams_needs_no_static_args_and_honours_the_seed():
+  # optax.inject_hyperparams turns every number into a state array: `seed`
+  # arrives as an int32 array (traced in update) and must be honoured.
+  factory = optax.inject_hyperparams(jmp_train.mixed_precision)
+  params = {"w": jnp.full((256,), 1.0 + 2.0**-10, jnp.bfloat16)}
+  grads = {"w": jnp.full((256,), 2.0**-12, jnp.bfloat16)}
+
+  tx = factory(
+    optax.sgd(1.0), master_weights=False, stochastic_rounding=True, seed=3
+  )
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  assert int(state.hyperparams["seed"]) == 3
+
+  def one_step(state):
+    updates, _ = update(grads, state, params)
+    return optax.apply_updates(params, updates)["w"]
+
+  a, b = one_step(state), one_step(state)
+  hyperparams = {**state.hyperparams, "seed": jnp.int32(4)}
+  c = one_step(state._replace(hyperparams=hyperparams))
+  np.testing.assert_array_equal(a, b)  # reproducible
+  assert not np.array_equal(a, c)  # and the (injected) seed is used
+  # A numeric loss scale would become a hyperparameter we cannot honour.
+  tx = factory(optax.sgd(0.1), loss_scale=128.0)
+  state = tx.init(params)
+  with pytest.raises(TypeError, match=r"static_args=\('loss_scale',\)"):
+    jax.jit(tx.update)(grads, state, params)
+  static = optax.inject_hyperparams(
+    jmp_train.mixed_precision, static_args=("loss_scale",)
+  )(optax.sgd(0.1), loss_scale=128.0)
+  state = static.init(params)
+  jax.jit(static.update)(grads, state, params)
+  assert float(jmp_train.current_loss_scale(state)) == 128.0
+
+
+@pytest.mark.parametrize("params_dtype", [jnp.bfloat16, jnp.float16])
+def test_params_equal_cast_master_bit_for_bit_when_crossing_zero(params_dtype):
+  # Updates that take masters from ~p to within 2**-10..2**-30 of |p|: the
+  # float32 delta cast(new_master) - param is inexact there, and without care
+  # apply_updates lands one ulp (of the small new value) off cast(master).
+  # Inner = identity, so the float32 reference is master + grad, in NumPy.
+  n = 20000
+  rng = np.random.default_rng(0)
+  p0 = (rng.standard_normal(n) * 2.0 ** rng.integers(-8, 4, n)).astype(
+    np.float32
+  )
+  params = {"w": jnp.asarray(p0, params_dtype)}
+  tx = jmp_train.mixed_precision(optax.identity())
+  state = tx.init(params)
+  master = np.asarray(state.master_params["w"])
+  update = jax.jit(tx.update)
+  # Step 1 moves the masters off the low-precision grid; step 2 takes them
+  # to tiny values of either sign.
+  g1 = (master * rng.uniform(-1e-3, 1e-3, n)).astype(np.float32)
+  tiny = np.abs(master + g1) * 2.0 ** -rng.integers(10, 31, n)
+  g2 = (-(master + g1) + rng.choice([-1, 1], n) * tiny).astype(np.float32)
+  for g in (g1, g2):
+    updates, state = update({"w": jnp.asarray(g)}, state, params)
+    old = np.asarray(params["w"], np.float32)
+    params = optax.apply_updates(params, updates)
+    ref = (master + g).astype(np.float32)  # plain float32 optax
+    new_master = np.asarray(state.master_params["w"])
+    cast = new_master.astype(params_dtype)
+    bits = np.uint16
+    np.testing.assert_array_equal(
+      np.asarray(params["w"]).view(bits), np.asarray(cast).view(bits)
+    )
+    # The master is the float32 reference, or (where no float32 update can
+    # reach cast(reference)) within 2**-24 of the old param of it.
+    assert np.all(np.abs(new_master - ref) <= np.abs(old) * 2.0**-24)
+    master = ref
+
+
+def test_inputs_that_failed_late_or_obscurely_get_clear_errors():
+  params = {"layer": {"w": jnp.ones(3)}}
+  for scale in (np.float32(128.0), jnp.float32(128.0), np.int64(128)):
+    tx = jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=scale)
+    assert float(jmp_train.current_loss_scale(tx.init(params))) == 128.0
+  for bad in ("dynamic", True, jnp.ones(2), 1j):
+    with pytest.raises(TypeError, match="loss_scale must be"):
+      jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=bad)
+  with pytest.raises(ValueError, match="loss_scale"):
+    jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=0.0)
+  with pytest.raises(
+    TypeError, match=r"inner must be an optax\.Gradient.*None"
+  ):
+    jmp_train.mixed_precision(None)
+  with pytest.raises(TypeError, match="seed must be an integer"):
+    jmp_train.mixed_precision(optax.sgd(0.1), seed=1.5)
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  grads = {"layer": {"w": jnp.ones(3)}}
+  with pytest.raises(TypeError, match="state of type tuple.*MixedPrecision"):
+    tx.update(grads, optax.sgd(0.1).init(params), params)
+  with pytest.raises(ValueError, match=r"gradient of 'layer/w' has shape \(1,"):
+    tx.update({"layer": {"w": jnp.ones(1)}}, tx.init(params), params)
+  fp8 = {"layer": {"w": jnp.ones(3, jnp.float8_e4m3fn)}}
+  with pytest.raises(TypeError, match="'layer/w' has dtype float8_e4m3fn"):
+    tx.init(fp8)
+  with pytest.raises(TypeError, match="'layer/w' has dtype float8_e4m3fn"):
+    tx.update(grads, tx.init(params), fp8)
+
+
+def test_python_number_params_train_like_optax(variant):
+  params = {"w": 1.0, "n": 3}
+  grads = {"w": 2.0, "n": 0}
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  updates, _ = variant(tx.update)(grads, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  sgd = optax.sgd(0.1)
+  ref = optax.apply_updates(params, sgd.update(grads, sgd.init(params))[0])
+  assert float(new["w"]) == float(ref["w"]) == np.float32(0.8)
+  assert int(new["n"]) == 3 and jnp.asarray(new["n"]).dtype == jnp.int32
+
+
+def test_complex_params_train_like_plain_optax_and_skip_bit_identically():
+  rng = np.random.default_rng(0)
+  z = rng.standard_normal(4) + 1j * rng.standard_normal(4)
+  params = {"z": jnp.asarray(z, jnp.complex64), "w": jnp.ones(3)}
+  x = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+
+  def loss(p):
+    return jnp.mean(jnp.abs(x @ p["z"] - 1.0) ** 2) + jnp.sum(p["w"] ** 2)
+
+  # SGD, not Adam: Adam would hide gradients left scaled by 2**4.
+  tx = jmp_train.mixed_precision(
+    optax.sgd(0.05, momentum=0.5), loss_scale=jmp_train.StaticLossScale(2.0**4)
+  )
+  ref_tx = optax.sgd(0.05, momentum=0.5)
+  state, ref, ref_state = tx.init(params), params, ref_tx.init(params)
+  update = jax.jit(tx.update)
+  for i in range(4):
+    grads = jax.grad(lambda p: loss(p) * 2.0**4)(params)
+    if i == 2:  # one NaN imaginary part skips the step
+      grads["z"] = grads["z"].at[1].set(complex(1.0, np.nan))
+    before = params
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    if i == 2:
+      assert not bool(state.last_step_finite)
+      for a, b in zip(
+        jax.tree.leaves(params), jax.tree.leaves(before), strict=True
+      ):
+        np.testing.assert_array_equal(
+          np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)
+        )
+      continue
+    r_updates, ref_state = ref_tx.update(jax.grad(loss)(ref), ref_state, ref)
+    ref = optax.apply_updates(ref, r_updates)
+    assert_close(params, ref)
+  assert params["z"].dtype == jnp.complex64
+  moved = jnp.abs(params["z"] - jnp.asarray(z, jnp.complex64))
+  assert float(moved.max()) > 0.05
