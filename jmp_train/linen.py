@@ -50,7 +50,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 from flax.nnx import graph as nnx_graph
@@ -84,23 +83,6 @@ class _Context(threading.local):
 
 _CTX = _Context()
 
-# The floating dtypes a policy names: only dtype fields holding one of these
-# follow the policy (None, integer and float8 settings are left alone).
-_POLICY_FLOATS = frozenset(
-  np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-)
-
-
-def _policy_float(value: Any) -> np.dtype | None:
-  """`value` as a NumPy dtype if it names a policy float dtype, else None."""
-  if not isinstance(value, (type, np.dtype, str)):
-    return None  # None, arrays and other objects are not dtype settings
-  try:
-    dtype = np.dtype(jnp.dtype(value))
-  except (TypeError, ValueError):
-    return None
-  return dtype if dtype in _POLICY_FLOATS else None
-
 
 def _dtype_field_updates(obj: Any, policy: policy_lib.Policy) -> dict:
   """The `dtype`/`param_dtype` fields of dataclass `obj` that `policy` sets."""
@@ -108,7 +90,7 @@ def _dtype_field_updates(obj: Any, policy: policy_lib.Policy) -> dict:
   updates = {}
   for field in dataclasses.fields(obj):
     if field.name in wanted and field.init:
-      current = _policy_float(getattr(obj, field.name))
+      current = policy_lib._policy_float(getattr(obj, field.name))
       if current is not None and current != np.dtype(wanted[field.name]):
         updates[field.name] = wanted[field.name]
   return updates
@@ -440,7 +422,7 @@ class _Wrapped(nn.Module):
         elif keys in as_written and np.shape(as_written[keys]) == np.shape(x):
           # The value the model as written gives it (a random draw, a count
           # of calls), in the dtype the policy run created it with.
-          if getattr(x, "dtype", None) in _POLICY_FLOATS:
+          if getattr(x, "dtype", None) in policy_lib._CASTABLE:
             return policy_lib.cast_floating(as_written[keys], x.dtype)
           return as_written[keys]
         return x

@@ -44,7 +44,6 @@ from typing import Any, NamedTuple
 
 import flax.nnx as nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.nnx import graph as nnx_graph
 
@@ -60,12 +59,6 @@ DEFAULT_FLOAT32_MODULES = (
 _CONFIG = "_jmp_train_policy"
 # A module's dtype attributes as written, for a later wrap: ((name, value), ...)
 _ORIGINAL_DTYPES = "_jmp_train_dtypes"
-
-# The floating dtypes a policy names: only dtype attributes holding one of
-# these follow the policy (None, integer and float8 settings are left alone).
-_POLICY_FLOATS = frozenset(
-  np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-)
 
 
 class _Config(NamedTuple):
@@ -135,17 +128,6 @@ def _owners(model: nnx.Module) -> tuple[list, list]:
   )
 
 
-def _policy_float(value: Any) -> np.dtype | None:
-  """`value` as a NumPy dtype if it names a policy float dtype, else None."""
-  if not isinstance(value, (type, np.dtype, str)):
-    return None  # None, arrays and other objects are not dtype settings
-  try:
-    dtype = np.dtype(jnp.dtype(value))
-  except (TypeError, ValueError):
-    return None
-  return dtype if dtype in _POLICY_FLOATS else None
-
-
 def _dtype_updates(values: Mapping[str, Any], policy) -> dict[str, Any]:
   """The float `dtype`/`param_dtype` entries of `values` that `policy` sets."""
   wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
@@ -153,7 +135,7 @@ def _dtype_updates(values: Mapping[str, Any], policy) -> dict[str, Any]:
     name: wanted[name]
     for name, value in values.items()
     if name in wanted
-    and (current := _policy_float(value)) is not None
+    and (current := policy_lib._policy_float(value)) is not None
     and current != np.dtype(wanted[name])
   }
 

@@ -110,6 +110,21 @@ def _as_policy_dtype(value: Any, field: str) -> Any:
   return _SCALAR_TYPES[dtype]
 
 
+def _policy_float(value: Any) -> np.dtype | None:
+  """`value` as a NumPy dtype if it is a dtype setting naming a policy float.
+
+  Used for modules' `dtype`/`param_dtype` fields: None, arrays, other objects
+  and integer or float8 dtypes give None (such settings are left alone).
+  """
+  if not isinstance(value, (type, np.dtype, str)):
+    return None
+  try:
+    dtype = np.dtype(jnp.dtype(value))
+  except (TypeError, ValueError):
+    return None
+  return dtype if dtype in _CASTABLE else None
+
+
 def _is_castable(x: Any) -> bool:
   return (
     isinstance(x, (jax.Array, np.ndarray, np.generic)) and x.dtype in _CASTABLE

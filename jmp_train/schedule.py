@@ -55,22 +55,8 @@ def _full_values(params: Any, masters: Any) -> Any:
 
 
 def _same_settings(a: ls_lib.LossScale, b: ls_lib.LossScale) -> bool:
-  if type(a) is not type(b):
-    return False
-  if isinstance(a, ls_lib.DynamicLossScale):
-    settings = (
-      "period",
-      "factor",
-      "min_loss_scale",
-      "backoff_factor",
-      "max_loss_scale",
-      "hysteresis",
-      "consecutive_hysteresis",
-    )
-    return all(getattr(a, k) == getattr(b, k) for k in settings)
-  if isinstance(a, ls_lib.StaticLossScale):
-    return float(a.loss_scale) == float(b.loss_scale)
-  return True
+  """Same kind and settings: a loss scale's settings are its tree's aux data."""
+  return jax.tree.structure(a) == jax.tree.structure(b)
 
 
 def adjust_precision(
