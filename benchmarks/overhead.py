@@ -10,6 +10,12 @@ side by side in one process, in rotated order, median of --steps rounds:
   jmp-style grads of the scaled loss, unscale, all_finite, adjust, adam,
             select_tree on params and optimizer state (jmp's README recipe)
 
+With --bf16-params the params are bfloat16 with float32 master weights, and
+two steps run instead: hand-masters (optax.adam on float32 masters kept by
+hand, params their cast; no loss scale, no skip) and ours
+(mixed_precision(adam): masters, dynamic scaling, the skip, and updates that
+optax.apply_updates turns into cast(master) bit for bit).
+
 With --update-only the forward/backward pass is left out (fixed gradients),
 which isolates the transformation's own cost. --study adds plain-adam variants
 that locate the cost of skipping: the update under a cond on a predicate read
@@ -18,6 +24,7 @@ all_finite (select-skip, jmp's way, without loss scaling).
 
   python benchmarks/overhead.py                 # full train step
   python benchmarks/overhead.py --update-only   # optimizer update alone
+  python benchmarks/overhead.py --update-only --bf16-params
 """
 
 import argparse
@@ -44,6 +51,9 @@ def parse_args(argv=None):
   p.add_argument(
     "--study", action="store_true", help="add tiny-cond, select-skip"
   )
+  p.add_argument(
+    "--bf16-params", action="store_true", help="masters: hand vs ours"
+  )
   p.add_argument("--json", default=None, help="also write results here")
   return p.parse_args(argv)
 
@@ -66,6 +76,43 @@ def loss_fn(params, x, y):
     x = jax.nn.relu(x @ layer["w"] + layer["b"])
   logits = x @ params[-1]["w"] + params[-1]["b"]
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_master_steps(update_only):
+  """bf16 params with float32 masters: by hand, and mixed_precision's."""
+  adam = optax.adam(1e-3)
+  ours_tx = jmp_train.mixed_precision(
+    optax.adam(1e-3), loss_scale=jmp_train.dynamic_loss_scale()
+  )
+
+  def grads_of(params, x, y, scale):
+    if update_only:
+      return jax.tree.map(lambda p: x[0, 0] * scale * jnp.ones_like(p), params)
+    return jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
+
+  def hand_init(params):
+    masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return masters, adam.init(masters)
+
+  def hand(params, state, x, y):
+    masters, opt_state = state
+    grads = grads_of(params, x, y, 1.0)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, opt_state = adam.update(grads, opt_state, masters)
+    masters = optax.apply_updates(masters, updates)
+    params = jax.tree.map(lambda m, p: m.astype(p.dtype), masters, params)
+    return params, (masters, opt_state)
+
+  def ours(params, state, x, y):
+    grads = grads_of(params, x, y, jmp_train.current_loss_scale(state))
+    updates, state = ours_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  steps = {"hand-masters": (hand_init, hand), "ours": (ours_tx.init, ours)}
+  return {
+    k: (init, jax.jit(fn, donate_argnums=(0, 1)))
+    for k, (init, fn) in steps.items()
+  }
 
 
 def make_steps(update_only, study=False):
@@ -157,10 +204,14 @@ def main(argv=None):
   x = jnp.asarray(rng.standard_normal((args.batch, dims[0])), jnp.float32)
   y = jnp.asarray(rng.integers(0, dims[-1], args.batch))
 
-  steps = make_steps(args.update_only, args.study)
+  if args.bf16_params:
+    steps, base = make_master_steps(args.update_only), "hand-masters"
+  else:
+    steps, base = make_steps(args.update_only, args.study), "plain"
+  dtype = jnp.bfloat16 if args.bf16_params else jnp.float32
   state = {}
   for name, (init, step) in steps.items():
-    params = init_mlp(dims, key)
+    params = jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key))
     state[name] = (params, init(params))
     for _ in range(args.warmup):
       state[name] = step(*state[name], x, y)
@@ -181,11 +232,12 @@ def main(argv=None):
   result = {
     "what": "optimizer update only" if args.update_only else "full train step",
     "params": int(n_params),
+    "param_dtype": jnp.dtype(dtype).name,
     "batch": args.batch,
     "rounds": args.steps,
     "median_ms": {k: round(v * 1e3, 3) for k, v in median.items()},
-    "ratio_vs_plain": {
-      k: round(v / median["plain"], 4) for k, v in median.items()
+    f"ratio_vs_{base}": {
+      k: round(v / median[base], 4) for k, v in median.items()
     },
     "skipped_steps_ours": int(
       jmp_train.train_metrics(state["ours"][1])["skipped_steps"]
@@ -196,10 +248,10 @@ def main(argv=None):
     "optax": optax.__version__,
   }
   print(json.dumps(result, indent=1))
-  print("\n| step | median ms | ratio vs plain |\n|---|---|---|")
+  print(f"\n| step | median ms | ratio vs {base} |\n|---|---|---|")
   for name in names:
     print(
-      f"| {name} | {median[name] * 1e3:.2f} | {median[name] / median['plain']:.3f}x |"
+      f"| {name} | {median[name] * 1e3:.2f} | {median[name] / median[base]:.3f}x |"
     )
   if args.json:
     with open(args.json, "w") as f:

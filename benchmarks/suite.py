@@ -73,6 +73,14 @@ def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
         "benchmarks/overhead.py",
         *("--study", "--batch", "16384", "--steps", "100"),
       ],
+      "overhead-gpu-masters": [
+        "benchmarks/overhead.py",
+        *("--bf16-params", "--batch", "16384", "--steps", "100"),
+      ],
+      "overhead-gpu-masters-update": [
+        "benchmarks/overhead.py",
+        *("--bf16-params", "--update-only", "--steps", "100"),
+      ],
     }
   if quick:
     mlp = ["--dims", "16,32,4", "--steps", "3", "--warmup", "1"]
@@ -80,6 +88,11 @@ def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
       "overhead-64": ["benchmarks/overhead.py", *mlp, "--batch", "8"],
       "overhead-update": ["benchmarks/overhead.py", *mlp, "--update-only"],
       "overhead-study": ["benchmarks/overhead.py", *mlp, "--study"],
+      "overhead-masters-update": [
+        "benchmarks/overhead.py",
+        *mlp,
+        *("--bf16-params", "--update-only"),
+      ],
       "zero1": [
         "benchmarks/zero1.py",
         *("--layers", "1", "--d-model", "32", "--vocab", "64"),
@@ -114,6 +127,14 @@ def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
     "overhead-study": [
       "benchmarks/overhead.py",
       *("--study", "--batch", "256", "--steps", "40"),
+    ],
+    "overhead-masters": [
+      "benchmarks/overhead.py",
+      *("--bf16-params", "--batch", "256", "--steps", "40"),
+    ],
+    "overhead-masters-update": [
+      "benchmarks/overhead.py",
+      *("--bf16-params", "--update-only", "--steps", "40"),
     ],
     "zero1": ["benchmarks/zero1.py"],
     "compile": ["benchmarks/compile_time.py"],
@@ -322,7 +343,51 @@ def _overhead(r) -> list[str]:
         "",
       ]
       break
-  return out + _overhead_gpu(r)
+  return out + _overhead_masters(r) + _overhead_gpu(r)
+
+
+def _overhead_masters(r) -> list[str]:
+  keys = (
+    ("overhead-masters", "CPU"),
+    ("overhead-masters-update", "CPU"),
+    ("overhead-gpu-masters", "GPU"),
+    ("overhead-gpu-masters-update", "GPU"),
+  )
+  rows = []
+  for key, machine in keys:
+    if key not in r:
+      continue
+    x = r[key]
+    m, q = x["median_ms"], x["ratio_vs_hand-masters"]
+    what = (
+      "optimizer update only"
+      if x["what"].startswith("optimizer")
+      else f"full step, batch {x['batch']}"
+    )
+    rows.append(
+      f"| {what} | {machine} | {m['hand-masters']:.3f} |"
+      f" **{m['ours']:.3f} ({_x(q['ours'])})** |"
+    )
+  if not rows:
+    return []
+  return [
+    "### bf16 params with float32 master weights",
+    "",
+    "Command: `benchmarks/overhead.py --bf16-params` (`--batch 256`,"
+    " `--update-only`; on the GPU `--batch 16384`). The same MLP with"
+    " bfloat16 params. **hand-masters**: `optax.adam` on float32 masters kept"
+    " by hand, params their cast (no loss scale, no skip, no round trip"
+    " through `optax.apply_updates`). **ours**:"
+    " `mixed_precision(optax.adam(1e-3), loss_scale=dynamic_loss_scale())`"
+    " and `optax.apply_updates`, which gives params equal to the masters cast"
+    " down, bit for bit, on every step.",
+    "",
+    "| step (median ms, ratio vs hand-masters) | machine | hand-masters |"
+    " **ours** |",
+    "|---|---|---|---|",
+    *rows,
+    "",
+  ]
 
 
 def _overhead_gpu(r) -> list[str]:

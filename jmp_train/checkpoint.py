@@ -18,9 +18,10 @@ and a leaf whose saved shape or dtype differs from the template raises
 instead of being silently cast.
 
 Steps only go forward: a save whose step is not above the latest checkpoint
-raises. To roll back, restore the earlier step with `restore(..., step=n)`:
-the checkpoints after `n` then belong to an abandoned run, and the next save
-deletes them before writing, so the directory always holds one run.
+raises. To roll back, restore the earlier step with `restore(..., step=n,
+rollback=True)`: the checkpoints after `n` then belong to an abandoned run,
+and the next save deletes them before writing, so the directory always holds
+one run. A restore without `rollback=True` never leads to a deletion.
 
 Orbax writes each checkpoint into a temporary directory and renames it when
 complete, so a process killed while saving leaves the last good checkpoint
@@ -212,9 +213,9 @@ class Checkpointer:
   """Saves and restores `(params, opt_state)` under `directory/<step>`.
 
   Steps only go forward. `save(step, ...)` with a step not above the latest
-  checkpoint raises, unless this Checkpointer restored an earlier step:
+  checkpoint raises, unless this Checkpointer rolled back to an earlier step:
 
-      restore(..., step=3)   # checkpoints 1..5 exist; 4 and 5 are abandoned
+      restore(..., step=3, rollback=True)  # 1..5 exist; 4 and 5 abandoned
       save(4, ...)           # deletes 4 and 5, then writes the new 4
 
   so the directory holds one run, never steps of two runs mixed.
@@ -361,9 +362,9 @@ class Checkpointer:
       raise ValueError(
         f"Cannot save step {step}: the latest checkpoint in {self.directory} "
         f"is step {steps[-1]}, and steps only go forward. To roll back, "
-        "restore an earlier step first (restore(..., step=n): the next save "
-        "deletes the checkpoints after n); otherwise use a step above "
-        f"{steps[-1]}."
+        "restore an earlier step first with restore(..., step=n, "
+        "rollback=True) (the next save deletes the checkpoints after n); "
+        f"otherwise use a step above {steps[-1]}."
       )
     meta = {
       "master_weights": self.use_master_weights_in_ckpt,
@@ -395,11 +396,13 @@ class Checkpointer:
     train_step: Any = None,
     tx: optax.GradientTransformation | None = None,
     step: int | None = None,
+    rollback: bool = False,
   ) -> tuple[int, optax.Params, optax.OptState]:
     """Restores `(step, params, opt_state)`, resharded for the target.
 
-    Restoring a step earlier than the latest marks the later checkpoints as
-    an abandoned run: the next `save` deletes them.
+    With `rollback=True`, the checkpoints after `step` become an abandoned
+    run: the next `save` (with a step above `step`) deletes them before it
+    writes. Without it a restore changes nothing on disk.
 
     Args:
       params: params or `jax.ShapeDtypeStruct`s with the target structure,
@@ -409,6 +412,7 @@ class Checkpointer:
         and places it; the params keep their shardings (or go to the
         default device).
       step: which checkpoint (default: the latest).
+      rollback: resume from `step` as a new branch of the run (see above).
 
     Returns:
       The step number, the params and the optimizer state.
@@ -421,6 +425,8 @@ class Checkpointer:
     """
     if (train_step is None) == (tx is None):
       raise ValueError("Pass exactly one of train_step= or tx=.")
+    if not isinstance(rollback, bool):
+      raise TypeError(f"rollback must be True or False, got {rollback!r}.")
     steps = self.all_steps()
     if step is None:
       if not steps:
@@ -481,7 +487,7 @@ class Checkpointer:
       )(state, new_params)
     if train_step is not None:
       state = train_step.from_logical(state, params)
-    self._rolled_back_to = step if step < steps[-1] else None
+    self._rolled_back_to = step if rollback and step < steps[-1] else None
     return step, new_params, state
 
   def _read(self, step: int, what: str, read: Any) -> Any:
@@ -514,11 +520,25 @@ class Checkpointer:
           for name, path, _ in names
           if name.split("_", 1)[-1] not in saved_paths
         ]
+        why = "The model or the optimizer differs from the one that saved it."
+        if (
+          extra
+          and not missing
+          and all(k.endswith("loss_scaler_hysteresis_tracker") for k in extra)
+        ):
+          # Before jmp's layout, a hysteresis=1 DynamicLossScale had a third
+          # leaf (hysteresis_tracker), as one with hysteresis > 1 has.
+          why = (
+            "Either the saved dynamic loss scale has hysteresis > 1 and the "
+            "target's 1, or an earlier jmp_train wrote it: its hysteresis=1 "
+            "scale kept a hysteresis_tracker leaf that this version (jmp's "
+            "two leaves) does not have, so only that version restores it."
+          )
         raise ValueError(
           f"Checkpoint {step} {item} does not match the target: leaves only "
           f"in the checkpoint {extra[:5]}, only in the target "
           f"{missing[:5]} ({len(meta)} saved leaves, {len(wanted)} wanted). "
-          "The model or the optimizer differs from the one that saved it."
+          + why
         )
       for name, path, abs_leaf in names:
         m = meta[name]
@@ -552,13 +572,15 @@ class Checkpointer:
       if not bad:
         raise
       raise OSError(
-        f"Checkpoint {step} in {self.directory}: cannot read "
-        f"{len(bad)} leaves {bad[:10]} (damaged or missing data); restore "
+        f"Checkpoint {step} in {self.directory}: cannot read leaves {bad} "
+        "(the first found in each item; damaged or missing data). Restore "
         "another step (all_steps() lists them)."
       ) from e
 
-  def _unreadable(self, step: int, item: str, tree: Any) -> list[str]:
-    """Tree paths of the leaves of `item` that fail to restore, by bisection."""
+  def _unreadable(
+    self, step: int, item: str, tree: Any, limit: int = 5
+  ) -> list[str]:
+    """Tree paths of (up to `limit`) leaves of `item` that fail to restore."""
     names = _names(tree)
     reader = ocp.PyTreeCheckpointer()
     path = os.path.join(self.directory, str(step), item)
@@ -578,15 +600,22 @@ class Checkpointer:
         return True
       return False
 
-    def search(chunk):
-      if not chunk or not fails(chunk):
-        return []
-      if len(chunk) == 1:
-        return [chunk[0][1]]
-      half = len(chunk) // 2
-      return search(chunk[:half]) + search(chunk[half:])
+    found: list[str] = []
 
-    return search(names)
+    def search(chunk):
+      # Depth first, and only until `limit` leaves are named: with every
+      # leaf unreadable a full bisection would take ~2N partial restores.
+      if not chunk or len(found) >= limit or not fails(chunk):
+        return
+      if len(chunk) == 1:
+        found.append(chunk[0][1])
+        return
+      half = len(chunk) // 2
+      search(chunk[:half])
+      search(chunk[half:])
+
+    search(names)
+    return found
 
   def wait(self) -> None:
     """Blocks until pending saves are complete."""

@@ -73,6 +73,7 @@ class _Frame(NamedTuple):
   fp8: fp8_lib.Fp8Recipe | None = None  # FP8 matmuls here, with this recipe
   fp8_exclude: tuple = ()  # module classes and name patterns kept out of FP8
   set_dtype_fields: bool = True  # modules' dtype fields follow the policy
+  respect: tuple = ()  # classes and name patterns whose dtype fields stay
 
 
 class _Context(threading.local):
@@ -120,20 +121,8 @@ def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
 
 
 def _cast_arrays(tree: Any, dtype: Any) -> Any:
-  """`tree` with its float arrays cast to `dtype`; objects pass by reference.
-
-  NNX graph nodes (modules, `Rngs`, `Variable`s) are not looked into: they
-  are returned as they are, so in-place updates reach the caller's object.
-  A tree with nothing to cast is returned itself, not a rebuilt copy.
-  """
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=nnx_graph.is_graph_node)
-  cast = [
-    x if nnx_graph.is_graph_node(x) else policy_lib.cast_floating(x, dtype)
-    for x in leaves
-  ]
-  if all(a is b for a, b in zip(cast, leaves, strict=True)):
-    return tree
-  return jax.tree.unflatten(treedef, cast)
+  """Float arrays cast to `dtype`; NNX graph nodes passed by reference."""
+  return policy_lib._cast_arrays(tree, dtype, nnx_graph.is_graph_node)
 
 
 def _cast_call(args: tuple, kwargs: dict, dtype: Any) -> tuple[tuple, dict]:
@@ -210,9 +199,11 @@ def _find_override(module: nn.Module, overrides) -> _Override | None:
   return None
 
 
-def _fp8_excluded(module: nn.Module, exclude: tuple) -> bool:
-  path = "/".join(module.path)
-  for item in exclude:
+def _matches(module: nn.Module, selectors: tuple) -> bool:
+  """Whether `module` is an instance of, or named like, one of `selectors`:
+  module classes, or glob patterns on its name and "/"-joined path."""
+  path = "/".join(module.path) if module.scope is not None else ""
+  for item in selectors:
     if isinstance(item, str):
       if fnmatch.fnmatchcase(module.name or "", item) or fnmatch.fnmatchcase(
         path, item
@@ -259,20 +250,27 @@ def _interceptor(next_fun, args, kwargs, context):
   outer = frames[-1]
   override = _find_override(module, outer.overrides)
   policy = override.policy if override else outer.policy
-  if outer.set_dtype_fields and not outer.creating:
+  set_fields = outer.set_dtype_fields and not _matches(module, outer.respect)
+  if set_fields and not outer.creating:
     # Before the module's first method (setup included) reads them. `module`
     # is this apply's bound clone, so the user's module is never changed.
     for name, value in _effective_fields(module, policy).items():
       object.__setattr__(module, name, value)
   recipe = outer.fp8
-  if recipe is not None and _fp8_excluded(module, outer.fp8_exclude):
+  if recipe is not None and _matches(module, outer.fp8_exclude):
     recipe = None
   call = _with_fp8(module, next_fun, recipe, context.method_name)
   if outer.creating:
     _CTX.owners[module.path] = policy.param_dtype
-  if override is None and recipe is outer.fp8:
+  if (
+    override is None
+    and recipe is outer.fp8
+    and set_fields == outer.set_dtype_fields
+  ):
     return call(*args, **kwargs)
-  frames.append(outer._replace(policy=policy, fp8=recipe))
+  frames.append(
+    outer._replace(policy=policy, fp8=recipe, set_dtype_fields=set_fields)
+  )
   try:
     if override is None or outer.creating:
       return call(*args, **kwargs)
@@ -312,7 +310,7 @@ class _Wrapped(nn.Module):
   overrides: tuple[_Override, ...]
   fp8: fp8_lib.Fp8Recipe | None = None
   fp8_exclude: tuple = ()
-  respect_dtype_fields: bool = False
+  respect_dtype_fields: bool | tuple = False
 
   def setup(self):
     nn.share_scope(self, self.module)
@@ -331,7 +329,8 @@ class _Wrapped(nn.Module):
     fields = {f.name for f in dataclasses.fields(inner)} - {"parent", "name"}
     if name in fields:
       value = getattr(inner, name)
-      if self.respect_dtype_fields:
+      respect = self.respect_dtype_fields
+      if respect is True or (respect and _matches(inner, respect)):
         return value
       override = _find_override(inner, self.overrides)
       policy = override.policy if override else self.policy
@@ -442,7 +441,8 @@ class _Wrapped(nn.Module):
           creating,
           self.fp8,
           self.fp8_exclude,
-          not self.respect_dtype_fields,
+          self.respect_dtype_fields is not True,
+          _selectors_only(self.respect_dtype_fields),
         )
       )
       try:
@@ -481,7 +481,7 @@ def wrap(
   *,
   fp8: fp8_lib.Fp8Recipe | bool | None = None,
   fp8_exclude: Iterable[str | type] = (),
-  respect_dtype_fields: bool = False,
+  respect_dtype_fields: bool | Iterable[str | type] = False,
 ) -> nn.Module:
   """Returns `module` running under `policy`, with per-class overrides.
 
@@ -517,10 +517,14 @@ def wrap(
     fp8_exclude: modules kept out of FP8, with everything inside them: module
       classes, or glob patterns matched against a module's name and its
       "/"-joined path (e.g. `"head"`, `"*/attention/*"`).
-    respect_dtype_fields: keep the modules' own `dtype`/`param_dtype` fields
-      (the behaviour before they followed the policy): a layer built with
-      `dtype=jnp.float32` then computes in float32, since Flax casts its
-      inputs and params back. Params are still stored in the param dtype.
+    respect_dtype_fields: keep modules' own `dtype`/`param_dtype` fields
+      (Flax's behaviour without a policy): True for every module, or module
+      classes and name patterns (as `fp8_exclude` takes them) for those
+      modules and everything inside them, e.g. `("head",)` for a logits layer
+      built with `dtype=jnp.float32`. Such a layer then computes in float32,
+      since Flax casts its inputs and params back; its params are still
+      stored in the param dtype and read in the compute dtype (use
+      `overrides` for a module that must keep float32 params too).
 
   Returns:
     A linen module whose variables have the structure of `module`'s. Call it,
@@ -570,23 +574,43 @@ def wrap(
     raise TypeError(
       f"fp8 must be an Fp8Recipe, True, False or None, got {fp8!r}."
     )
-  if isinstance(fp8_exclude, str):
-    fp8_exclude = (fp8_exclude,)
-  fp8_exclude = tuple(fp8_exclude)
-  for item in fp8_exclude:
-    if not (
-      isinstance(item, str)
-      or (isinstance(item, type) and issubclass(item, nn.Module))
-    ):
-      raise TypeError(
-        "fp8_exclude takes flax.linen Module classes and name patterns "
-        f"(str), got {item!r}."
-      )
+  fp8_exclude = _selectors(fp8_exclude, "fp8_exclude")
+  if not isinstance(respect_dtype_fields, bool):
+    respect_dtype_fields = _selectors(
+      respect_dtype_fields, "respect_dtype_fields"
+    )
   return _Wrapped(
     module=module,
     policy=policy,
     overrides=tuple(table.values()),
     fp8=fp8 or None,
     fp8_exclude=fp8_exclude,
-    respect_dtype_fields=bool(respect_dtype_fields),
+    respect_dtype_fields=respect_dtype_fields,
   )
+
+
+def _selectors(items: Any, argument: str) -> tuple:
+  """Module classes and name patterns, validated, as a tuple."""
+  if isinstance(items, str):
+    items = (items,)
+  try:
+    items = tuple(items)
+  except TypeError:
+    raise TypeError(
+      f"{argument} takes flax.linen Module classes and name patterns (str), "
+      f"got {items!r}."
+    ) from None
+  for item in items:
+    if not (
+      isinstance(item, str)
+      or (isinstance(item, type) and issubclass(item, nn.Module))
+    ):
+      raise TypeError(
+        f"{argument} takes flax.linen Module classes and name patterns "
+        f"(str), got {item!r}."
+      )
+  return items
+
+
+def _selectors_only(respect: bool | tuple) -> tuple:
+  return respect if isinstance(respect, tuple) else ()

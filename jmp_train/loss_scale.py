@@ -21,9 +21,9 @@ and `None` placeholders pass through `jax.tree.map`, jit and checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
-import sys
 import warnings
 from typing import Any, TypeVar
 
@@ -145,7 +145,7 @@ def _show(value: Any, host: np.ndarray) -> str:
 
 def _warn_outside(message: str) -> None:
   """Warns, attributing the warning to the first caller outside this module."""
-  frame, level = sys._getframe(0), 1
+  frame, level = inspect.currentframe(), 1
   while frame is not None and frame.f_code.co_filename == __file__:
     frame, level = frame.f_back, level + 1
   warnings.warn(message, stacklevel=level)

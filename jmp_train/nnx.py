@@ -36,14 +36,14 @@ so `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.grad`, `nnx.Optimizer` and plain
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import inspect
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import flax.nnx as nnx
-import jax
 import numpy as np
 from flax.nnx import graph as nnx_graph
 
@@ -94,7 +94,8 @@ def _owners(model: nnx.Module) -> tuple[list, list]:
 
   Returns:
     `(modules, params)`: a list of (module, owner config, whether an inner
-    wrap encloses it) and a list of (param, owner config), each node once.
+    wrap encloses it, its path) and a list of (param, owner config), each
+    node once.
   """
   configs: dict[tuple, _Config] = {}
   modules: dict[int, tuple] = {}
@@ -123,9 +124,48 @@ def _owners(model: nnx.Module) -> tuple[list, list]:
     )
 
   return (
-    [(m, owner(p, len(p)), in_inner_wrap(p)) for m, p in modules.values()],
+    [(m, owner(p, len(p)), in_inner_wrap(p), p) for m, p in modules.values()],
     [(v, owner(p, len(p) - 1)) for v, p in params.values()],
   )
+
+
+def _selectors(items: Any) -> tuple:
+  """`respect_dtype_fields`' module classes and path patterns, validated."""
+  if isinstance(items, str):
+    items = (items,)
+  try:
+    items = tuple(items)
+  except TypeError:
+    items = (items,)
+  for item in items:
+    if not (
+      isinstance(item, str)
+      or (isinstance(item, type) and issubclass(item, nnx.Module))
+    ):
+      raise TypeError(
+        "respect_dtype_fields takes True/False, or flax.nnx Module classes "
+        f"and path patterns (str), got {item!r}."
+      )
+  return items
+
+
+def _respected(modules: list, respect: bool | tuple):
+  """`modules` (from `_owners`) with whether each keeps its dtype attributes:
+  all with True; with selectors, those matching and everything inside them."""
+  matched = [
+    path
+    for module, _, _, path in modules
+    if respect is not True
+    and any(
+      isinstance(module, item)
+      if isinstance(item, type)
+      else fnmatch.fnmatchcase("/".join(map(str, path)), item)
+      for item in respect or ()
+    )
+  ]
+  for module, config, in_inner_wrap, path in modules:
+    inside = any(path[: len(m)] == m for m in matched)
+    yield module, config, in_inner_wrap, respect is True or inside
 
 
 def _dtype_updates(values: Mapping[str, Any], policy) -> dict[str, Any]:
@@ -178,21 +218,8 @@ def _set_dtype_attributes(module: nnx.Module, policy) -> None:
 
 
 def _cast_arrays(tree: Any, dtype: Any) -> Any:
-  """`tree` with its float arrays cast to `dtype`; objects pass by reference.
-
-  NNX graph nodes (modules, `Rngs`, `Variable`s) are not looked into: they
-  are returned as they are, so an `nnx.Rngs` advances and a `Variable`'s
-  in-place update reaches the caller. A tree with nothing to cast is
-  returned itself, not a rebuilt copy.
-  """
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=nnx_graph.is_graph_node)
-  cast = [
-    x if nnx_graph.is_graph_node(x) else policy_lib.cast_floating(x, dtype)
-    for x in leaves
-  ]
-  if all(a is b for a, b in zip(cast, leaves, strict=True)):
-    return tree
-  return jax.tree.unflatten(treedef, cast)
+  """Float arrays cast to `dtype`; NNX graph nodes passed by reference."""
+  return policy_lib._cast_arrays(tree, dtype, nnx_graph.is_graph_node)
 
 
 def _run(self, base, args, kwargs):
@@ -235,19 +262,17 @@ def _cast_on_read(self, **kwargs):
   return policy_lib.cast_floating(value, policies[-1].compute_dtype)
 
 
-def _public_methods(cls: type) -> dict[str, Any]:
-  """`__call__` and the public methods `cls` adds to `nnx.Module`'s."""
-  base = set(nnx.Module.__mro__)
-  methods: dict[str, Any] = {"__call__": None}
-  for klass in cls.__mro__:
-    if klass in base:
-      continue
-    for name, attr in vars(klass).items():
-      if inspect.isfunction(attr) and (
-        name == "__call__" or not name.startswith("_")
-      ):
-        if methods.get(name) is None:
-          methods[name] = attr
+def _policy_methods(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
+  """`__call__` and the methods `names` of `cls`, to run under a policy."""
+  methods = {"__call__": inspect.getattr_static(cls, "__call__", None)}
+  for name in names:
+    fn = inspect.getattr_static(cls, name, None)
+    if not inspect.isfunction(fn):
+      raise ValueError(
+        f"methods: {name!r} is not a method of {cls.__name__} (got {fn!r}); "
+        "name the model's own methods that compute, such as 'encode'."
+      )
+    methods[name] = fn
   return methods
 
 
@@ -278,12 +303,18 @@ def _subclass(cls: type, kind: str, methods: Mapping[str, Any]) -> type:
   return _CLASSES[key]
 
 
-def _convert(module: nnx.Module, config: _Config) -> None:
+def _convert(
+  module: nnx.Module, config: _Config, names: tuple[str, ...] = ()
+) -> None:
   cls = type(module)
+  while getattr(cls, "_jmp_train_kind", None) is not None:
+    cls = cls.__mro__[1]  # converted before: start from the class as written
   methods = {
-    name: _policy_method(name, fn) for name, fn in _public_methods(cls).items()
+    name: _policy_method(name, fn)
+    for name, fn in _policy_methods(cls, names).items()
   }
-  object.__setattr__(module, "__class__", _subclass(cls, "module", methods))
+  kind = "module:" + ",".join(names)
+  object.__setattr__(module, "__class__", _subclass(cls, kind, methods))
   object.__setattr__(module, _CONFIG, config)
 
 
@@ -310,7 +341,8 @@ def wrap(
   policy: policy_lib.Policy | str,
   overrides: Mapping[type, policy_lib.Policy | str | None] | None = None,
   *,
-  respect_dtype_fields: bool = False,
+  methods: Iterable[str] = (),
+  respect_dtype_fields: bool | Iterable[type | str] = False,
 ) -> nnx.Module:
   """Converts `model` in place to run under `policy`, and returns it.
 
@@ -333,17 +365,26 @@ def wrap(
       in the enclosing compute dtype; map a class to None to drop its default.
       A user override returns outputs in its policy's output dtype. Modules
       inside `model` that were wrapped before keep their own policy.
-    respect_dtype_fields: keep the modules' own `dtype`/`param_dtype`
-      attributes: a layer built with `dtype=jnp.float32` then computes in
-      float32, since Flax casts its inputs and params back. Params are still
-      stored in the param dtype.
+    methods: names of the model's methods, besides `__call__`, that apply
+      the policy when called from outside (`("encode", "decode")`). Other
+      methods (getters, setters, a regulariser reading the params) run
+      as written: the policy casts their arguments and reads, which would
+      round a float32 value a setter stores.
+    respect_dtype_fields: keep modules' own `dtype`/`param_dtype` attributes
+      (Flax's behaviour without a policy): True for every module, or module
+      classes and patterns matched against the "/"-joined attribute path
+      (`"head"`, `"blocks/*/mlp"`) for those modules and everything inside
+      them. A layer built with `dtype=jnp.float32` then computes in float32,
+      since Flax casts its inputs and params back; its params are still
+      stored in the param dtype and read in the compute dtype (use
+      `overrides` for a module that must keep float32 params too).
 
   Returns:
     `model` itself: same object, same attributes, same `nnx.state` structure,
-    its float params stored in their owners' param dtypes. `__call__` and its
-    other public methods (`model.encode(x)`) apply the policy when called from
-    outside; float arrays among their arguments are cast, other arguments
-    (`nnx.Rngs`, `nnx.Variable`s, modules) are passed as they are.
+    its float params stored in their owners' param dtypes. `__call__` and the
+    `methods` named apply the policy when called from outside; float arrays
+    among their arguments are cast, other arguments (`nnx.Rngs`,
+    `nnx.Variable`s, modules) are passed as they are.
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, numpy as np, jmp_train
@@ -365,6 +406,12 @@ def wrap(
     raise TypeError(f"wrap expects a flax.nnx Module, got {model!r}.")
   policy = policy_lib.get_policy(policy)
   table = _override_table(policy, overrides)
+  if isinstance(methods, str):
+    methods = (methods,)
+  methods = tuple(methods)
+  respect = respect_dtype_fields
+  if not isinstance(respect, bool):
+    respect = _selectors(respect)
   for _, node in nnx.iter_graph(model):
     if not isinstance(node, nnx.Module) or node is model:
       continue
@@ -376,13 +423,11 @@ def wrap(
       _convert(node, _Config(sub_policy, to_enclosing, False))
   if getattr(model, _CONFIG, None) is not None:
     object.__setattr__(model, _CONFIG, None)  # re-wrap with the new policy
-  _convert(model, _Config(policy, False, True))
+  _convert(model, _Config(policy, False, True), methods)
   modules, params = _owners(model)
-  for module, config, in_inner_wrap in modules:
+  for module, config, in_inner_wrap, respected in _respected(modules, respect):
     if not in_inner_wrap:  # an inner wrap set its modules' dtype attributes
-      _set_dtype_attributes(
-        module, None if respect_dtype_fields else config.policy
-      )
+      _set_dtype_attributes(module, None if respected else config.policy)
   for param, config in params:
     param.set_value(
       policy_lib.cast_floating(param.get_value(), config.policy.param_dtype)

@@ -110,6 +110,21 @@ def _as_policy_dtype(value: Any, field: str) -> Any:
   return _SCALAR_TYPES[dtype]
 
 
+def _cast_arrays(tree: T, dtype: Any, is_opaque: Any) -> T:
+  """`cast_floating`, but objects for which `is_opaque` holds pass by reference.
+
+  The wrappers cast call arguments with it: NNX graph nodes (modules,
+  `Rngs`, `Variable`s) are not looked into and are returned as they are, so
+  an `nnx.Rngs` advances and a `Variable`'s in-place update reaches the
+  caller. A tree with nothing to cast is returned itself, not a copy.
+  """
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_opaque)
+  cast = [x if is_opaque(x) else cast_floating(x, dtype) for x in leaves]
+  if all(a is b for a, b in zip(cast, leaves, strict=True)):
+    return tree
+  return jax.tree.unflatten(treedef, cast)
+
+
 def _policy_float(value: Any) -> np.dtype | None:
   """`value` as a NumPy dtype if it is a dtype setting naming a policy float.
 

@@ -424,11 +424,12 @@ class TrainStep:
           return jnp.zeros_like(p)
         if is_fp8:  # amaxes: the max over devices, not the sum
           return jax.lax.pmax(g, axis)
-        # Divide before summing, so the sum of N per-device means cannot
-        # overflow float16 where one device's mean over the whole batch
-        # would not: the skip decision must not depend on N.
-        wide = jnp.promote_types(g.dtype, jnp.float32)
-        g = (g.astype(wide) * (1.0 / n)).astype(g.dtype)
+        if g.dtype == jnp.float16:
+          # Divided before the sum, so the sum of N per-device means cannot
+          # overflow where one device's mean over the whole batch would not:
+          # the skip decision must not depend on N. (bfloat16 and float32
+          # have float32's range; they are summed, then divided.)
+          g = (g.astype(jnp.float32) * (1.0 / n)).astype(g.dtype)
         if zero and lay.dim is not None:
           return jax.lax.psum_scatter(
             lay.pad(g), axis, scatter_dimension=lay.dim, tiled=True
@@ -473,15 +474,14 @@ class TrainStep:
         out_specs=(P(), grad_specs),
         axis_names={axis},
       )(params, batch, scale)
-      grads = jax.tree.map(
-        lambda g, is_fp8: (
-          g.astype(jnp.promote_types(g.dtype, jnp.float32))
-          if transform._is_float(g) and not is_fp8
-          else g
-        ),
-        grads,
-        fp8_leaves,
-      )
+
+      def mean(g, is_fp8):
+        if is_fp8 or not transform._is_float(g):
+          return g
+        wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+        return wide if g.dtype == jnp.float16 else wide * (1.0 / n)
+
+      grads = jax.tree.map(mean, grads, fp8_leaves)
       work = jax.tree.map(
         lambda lay, p: lay.pad(p) if zero else p,
         plan.layouts,
@@ -533,7 +533,9 @@ class TrainStep:
 
   def jitted(self, params: optax.Params):
     """The jitted step for this params structure (for `.lower(...)`)."""
-    plan = self.plan(params)
+    return self._jitted_for(self.plan(params))
+
+  def _jitted_for(self, plan: _Plan):
     if id(plan) not in self._jitted:
       self._jitted[id(plan)] = self._build(plan)
     return self._jitted[id(plan)]
@@ -564,8 +566,17 @@ class TrainStep:
     self._check_batch(batch)
     _check_not_donated(params, "params")
     _check_not_donated(opt_state, "opt_state")
-    self._check_opt_state(params, opt_state)
-    return self.jitted(params)(params, opt_state, batch)
+    plan = self.plan(params)
+    expected = jax.tree.structure(plan.opt_state_padded)
+    if jax.tree.structure(opt_state) != expected:
+      self._check_opt_state(params, opt_state)
+    try:
+      return self._jitted_for(plan)(params, opt_state, batch)
+    except (TypeError, ValueError):
+      # Leaf shapes or dtypes the state was not built with fail inside jit;
+      # say which leaf (or re-raise the error if that was not it).
+      self._check_opt_state(params, opt_state)
+      raise
 
   def _check_opt_state(self, params, opt_state) -> None:
     """Refuses a state that is not what `init(params)` builds for this step.
@@ -599,11 +610,12 @@ class TrainStep:
         f"builds for these params: {detail}. {hint}"
       )
     for (path, x), e in zip(flat, jax.tree.leaves(expected), strict=True):
-      shape, dtype = tuple(np.shape(x)), np.dtype(getattr(x, "dtype", None))
-      if shape != tuple(e.shape) or dtype != np.dtype(e.dtype):
+      shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None)
+      if dtype is None or shape != tuple(e.shape) or dtype != e.dtype:
         name = _keystr(path)
+        kind = f"{np.dtype(dtype).name}{list(shape)}" if dtype else repr(x)
         raise ValueError(
-          f"opt_state leaf {name!r} is {dtype.name}{list(shape)}, but for "
+          f"opt_state leaf {name!r} is {kind}, but for "
           f"these params this TrainStep expects "
           f"{np.dtype(e.dtype).name}{list(e.shape)}. {hint}"
         )
@@ -625,8 +637,10 @@ def _keystr(path) -> str:
 
 def _check_not_donated(tree: Any, name: str) -> None:
   """Refuses arrays a previous call donated (reusing them crashes XLA)."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  for path, x in flat:
+  leaves = jax.tree.leaves(tree)
+  if not any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+    return
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if isinstance(x, jax.Array) and x.is_deleted():
       leaf = _keystr(path)
       raise ValueError(

@@ -482,33 +482,19 @@ def _sq_norm_and_finite(grads: Any) -> tuple[jax.Array, jax.Array]:
 def _exact_delta(param: jax.Array, master: jax.Array) -> tuple:
   """The float32 update taking `param` to `cast(master)`, and the master.
 
-  `optax.apply_updates` computes `cast(float32(param) + update)`. With
-  `update = float32(cast(master)) - float32(param)` that is `cast(master)`
-  whenever the subtraction is exact, which fails only when the new value is
-  below about 2**-16 of the old one (a param crossing zero): then no float32
-  update reaches `cast(master)`. On those elements the master moves to
-  `float32(param) + (master - float32(param))`, the nearest value the update
-  can reach (it differs from the master by at most 2**-24 of the old param,
-  below the float32 rounding of the step itself), and the update goes there.
-  Either way `apply_updates(param, update) == cast(master)`, bit for bit.
+  `optax.apply_updates` computes `cast(float32(param) + update)`. The update
+  is `master - float32(param)` and the master kept is
+  `float32(param) + update`, the very value `apply_updates` casts, so after
+  it the params equal the kept master cast down, bit for bit, on every step.
+  The subtraction is exact, and the master kept is the new master, unless
+  a param halves or changes sign in one step; then it rounds, and the kept
+  master differs from the new one by at most 2**-24 of the old param, the
+  float32 rounding of the step itself. (`cast(master) - float32(param)`
+  would keep the master but misses `cast(master)` when the new value is
+  below about 2**-16 of the old one: no float32 update reaches it.)
   """
-  param32 = param.astype(jnp.float32)
-  delta = master.astype(param.dtype).astype(jnp.float32) - param32
-  reached = (param32 + delta).astype(param.dtype)
-  exact = _same_bits(reached, master.astype(param.dtype))
-  near_delta = master - param32
-  near_master = param32 + near_delta
-  return (
-    jnp.where(exact, delta, near_delta),
-    jnp.where(exact, master, near_master),
-  )
-
-
-def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
-  """Elementwise bit equality of two arrays of one 16-bit float dtype."""
-  return jax.lax.bitcast_convert_type(a, jnp.uint16) == (
-    jax.lax.bitcast_convert_type(b, jnp.uint16)
-  )
+  delta = master - param.astype(jnp.float32)
+  return delta, param.astype(jnp.float32) + delta
 
 
 def _skip_updates(params: optax.Params) -> optax.Params:
@@ -583,16 +569,29 @@ def _child(node: Any, key: Any) -> Any:
   return None
 
 
+def _is_transformation_state(x: Any) -> bool:
+  """An optax state: a NamedTuple (EmptyState, ScaleByAdamState, ...), or a
+  chain's tuple or dict of them."""
+  if isinstance(x, tuple) and hasattr(x, "_fields"):
+    return True
+  if isinstance(x, (tuple, dict)):
+    values = x.values() if isinstance(x, dict) else x
+    return any(_is_transformation_state(v) for v in values)
+  return False
+
+
 def _check_outermost(opt_state: Any, path: tuple) -> None:
   """Refuses a `mixed_precision` state that has neighbours in a chain.
 
   `optax.chain(clip, mixed_precision(...))` clips the scaled gradients, and
   `optax.chain(mixed_precision(...), other)` changes the exact updates that
   keep params equal to their masters cast down. In the state, the first is a
-  tuple (the chain's) holding this state after another one, the second one
-  holding it before another one (`optax.named_chain`: a dict of states).
-  Nothing in optax lets `update` see its neighbours, so the check runs where
-  the state is read: `current_loss_scale`, `train_metrics`, the train step.
+  tuple (the chain's) holding this state after another transformation's
+  state, the second one holding it before one (`optax.named_chain`: a dict
+  of states). Nothing in optax lets `update` see its neighbours, so the
+  check runs where the state is read: `current_loss_scale`, `train_metrics`,
+  the train step. Neighbours that are not optax states (a step counter, a
+  dict of arrays kept beside the state) are not transformations.
   """
   node = opt_state
   for key in path:
@@ -603,19 +602,29 @@ def _check_outermost(opt_state: Any, path: tuple) -> None:
       key, jax.tree_util.SequenceKey
     )
     in_named = isinstance(node, dict) and isinstance(child, MixedPrecisionState)
-    if (in_chain or in_named) and len(node) > 1:
-      position = key.idx if in_chain else list(node).index(key.key)
-      which = (
-        "before it sees the scaled gradients (a clip would clip them)"
-        if position > 0
-        else "after it changes the updates that keep params == cast(master)"
-      )
-      raise ValueError(
-        "mixed_precision must be the outermost transformation, but its state "
-        f"is element {position} of an optax chain of {len(node)}: a "
-        f"transformation {which}. Put the others inside it: "
-        "mixed_precision(optax.chain(clip, ..., optimizer))."
-      )
+    if in_chain or in_named:
+      keys = range(len(node)) if in_chain else list(node)
+      at = key.idx if in_chain else key.key
+      position = list(keys).index(at)
+      others = [
+        position - i
+        for i, k in enumerate(keys)
+        if k != at and _is_transformation_state(node[k])
+      ]
+      if others:
+        which = (
+          "before it sees the scaled gradients (a clip would clip them)"
+          if any(o > 0 for o in others)
+          else "after it changes the updates that keep params == cast(master)"
+        )
+        raise ValueError(
+          "mixed_precision must be the outermost transformation, but its "
+          f"state is element {position} of an optax chain of {len(node)}: a "
+          f"transformation {which}. Put the others inside it: "
+          "mixed_precision(optax.chain(clip, ..., optimizer)). (If that "
+          "container is not an optax chain's state, pass this function the "
+          "mixed_precision state itself.)"
+        )
     node = child
 
 

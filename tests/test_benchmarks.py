@@ -74,6 +74,12 @@ def test_overhead_benchmark_runs(capsys):
   }
   assert result["skipped_steps_ours"] == 0
   assert "| ours |" in capsys.readouterr().out
+  masters = main(
+    ["--dims", "16,32,4", "--steps", "2", "--warmup", "1"]
+    + ["--update-only", "--bf16-params"]
+  )
+  assert set(masters["ratio_vs_hand-masters"]) == {"hand-masters", "ours"}
+  assert masters["param_dtype"] == "bfloat16"
 
 
 def test_fp8_benchmark_runs(capsys):

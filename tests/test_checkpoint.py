@@ -219,7 +219,7 @@ def test_rollback_then_resume_replaces_the_abandoned_run(tmp_path, caplog):
   # A resumed process rolls back to step 3 and runs again with new values.
   template = {"w": jax.ShapeDtypeStruct((3,), jnp.bfloat16)}
   ckpt = checkpoint.Checkpointer(tmp_path)
-  n, params, _ = ckpt.restore(template, tx=tx, step=3)
+  n, params, _ = ckpt.restore(template, tx=tx, step=3, rollback=True)
   assert n == 3
   np.testing.assert_array_equal(params["w"], np.full(3, 3.0))
   with caplog.at_level("WARNING", logger="jmp_train.checkpoint"):
@@ -258,13 +258,22 @@ def test_save_not_above_the_latest_step_raises_and_changes_nothing(tmp_path):
       ValueError, match=rf"step {step}: the latest .* is step 2"
     ):
       ckpt.save(step, *_tiny(10 * step, tx))
-  # After a rollback to 1, a step not above 1 deletes nothing either.
+  # A restore of an earlier step alone (to evaluate it) deletes nothing: the
+  # next save must still go forward.
   ckpt.restore(template, tx=tx, step=1)
+  with pytest.raises(ValueError, match=r"step 2: the latest .*rollback=True"):
+    ckpt.save(2, *_tiny(20, tx))
+  ckpt.save(3, *_tiny(3, tx))
+  ckpt.wait()
+  assert ckpt.all_steps() == [1, 2, 3]
+  listing = sorted(os.listdir(tmp_path))
+  # After a rollback to 1, a step not above 1 deletes nothing either.
+  ckpt.restore(template, tx=tx, step=1, rollback=True)
   with pytest.raises(ValueError, match="Cannot save step 1: .*restored step 1"):
     ckpt.save(1, *_tiny(10, tx))
-  assert ckpt.all_steps() == [1, 2]
+  assert ckpt.all_steps() == [1, 2, 3]
   assert sorted(os.listdir(tmp_path)) == listing
-  for step in (1, 2):
+  for step in (1, 2, 3):
     _, params, _ = ckpt.restore(template, tx=tx, step=step)
     np.testing.assert_array_equal(params["w"], np.full(3, step, np.float32))
   ckpt.close()
@@ -393,3 +402,20 @@ def test_restore_refuses_another_format_or_optimizer(tmp_path):
   with pytest.raises(ValueError, match="Checkpoint 2 .* format 2"):
     ckpt.restore(params, tx=tx)
   ckpt.close()
+
+
+def test_a_checkpoint_with_an_extra_hysteresis_tracker_says_why(tmp_path):
+  # Earlier versions gave a hysteresis=1 scale a third leaf, as hysteresis=2
+  # has: such a checkpoint must not restore, and the error must say why.
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  saver = jmp.mixed_precision(
+    optax.sgd(0.1), loss_scale=jmp.dynamic_loss_scale(hysteresis=2)
+  )
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, params, saver.init(params))
+  target = jmp.mixed_precision(
+    optax.sgd(0.1), loss_scale=jmp.dynamic_loss_scale()
+  )
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(ValueError, match="earlier jmp_train wrote it"):
+      ckpt.restore(params, tx=target)

@@ -474,6 +474,37 @@ def test_respect_dtype_fields_keeps_the_modules_own_dtypes():
   assert wrapped.config.dtype is jnp.float32
 
 
+class FloatHead(nn.Module):
+  """Every layer built float32 on purpose, as some models keep their head."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, dtype=jnp.float32, name="body")(x)
+    return nn.Dense(2, dtype=jnp.float32, name="head")(x)
+
+
+def test_respect_dtype_fields_takes_classes_and_name_patterns():
+  # Only the named modules (and what they hold) keep their float32 fields.
+  x = jnp.ones((2, 4))
+  variables = abstract_init(mp_linen.wrap(FloatHead(), BF16_MIXED), x)
+  f32_pair = ("float32", "float32")
+  for respect, want in [
+    ((), [BF16_PAIR, BF16_PAIR]),
+    (("head",), [BF16_PAIR, f32_pair]),
+    ((nn.Dense,), [f32_pair, f32_pair]),
+  ]:
+    wrapped = mp_linen.wrap(
+      FloatHead(), BF16_MIXED, respect_dtype_fields=respect
+    )
+    dots = primitive_operand_dtypes(
+      lambda v, w=wrapped: w.apply(v, x), variables
+    )
+    assert dots == want, respect
+  for bad in (["yes", 3], 7):
+    with pytest.raises(TypeError, match="respect_dtype_fields takes"):
+      mp_linen.wrap(FloatHead(), BF16_MIXED, respect_dtype_fields=bad)
+
+
 @pytest.mark.parametrize(
   "method",
   ["encode", fm.Transformer.encode, lambda m, x: m.encode(x)],

@@ -362,6 +362,21 @@ def test_respect_dtype_fields_and_rewrapping_start_from_the_model_as_built():
   assert set(step_dots(model)[1]) == {("float16", "float16")}
 
 
+def test_respect_dtype_fields_takes_classes_and_path_patterns():
+  for respect in (("conv",), (nnx.Conv,)):
+    model = mp_nnx.wrap(
+      built("float32"), "p=bf16,c=bf16,o=f32", respect_dtype_fields=respect
+    )
+    assert model.conv.dtype is jnp.float32
+    assert np.dtype(model.mlp.dtype) == jnp.bfloat16
+    dots, convs = step_dots(model)
+    # Flax casts the conv's bf16 params back to its own float32.
+    assert set(convs) == {("float32", "float32")}
+    assert BF16_PAIR in set(dots)
+  with pytest.raises(TypeError, match="respect_dtype_fields takes"):
+    mp_nnx.wrap(built("float32"), "p=bf16", respect_dtype_fields=[3])
+
+
 class TwoStage(nnx.Module):
   """`__call__` goes through another public method, as encode/decode do."""
 
@@ -380,7 +395,7 @@ class TwoStage(nnx.Module):
 
 
 def test_other_methods_run_under_the_policy_when_called_from_outside():
-  model = mp_nnx.wrap(built("float32"), "p=f32,c=bf16,o=f32")
+  model = mp_nnx.wrap(built("float32"), "p=f32,c=bf16,o=f32", methods="encode")
   reference = built("bfloat16")
 
   def encode(model):
@@ -394,7 +409,9 @@ def test_other_methods_run_under_the_policy_when_called_from_outside():
   # A method called by another runs inside it: no cast to the output dtype
   # in between.
   seen = []
-  two = mp_nnx.wrap(TwoStage(seen, nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  two = mp_nnx.wrap(
+    TwoStage(seen, nnx.Rngs(0)), "p=f32,c=bf16,o=f32", methods=["features"]
+  )
   assert two(jnp.ones((1, 4))).dtype == jnp.float32 and seen == [jnp.bfloat16]
   assert two.features(jnp.ones((1, 4))).dtype == jnp.float32
   graphdef, state = nnx.split(two)
@@ -402,6 +419,33 @@ def test_other_methods_run_under_the_policy_when_called_from_outside():
   assert primitive_operand_dtypes(features, state, jnp.ones((1, 4))) == [
     BF16_PAIR
   ]
+  with pytest.raises(ValueError, match="'nope' is not a method of TwoStage"):
+    mp_nnx.wrap(TwoStage([], nnx.Rngs(0)), "p=f32,c=bf16", methods=["nope"])
+
+
+class WithAccessors(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(2, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.lin(x)
+
+  def load_kernel(self, w):
+    self.lin.kernel.value = w
+
+  def kernel(self):
+    return self.lin.kernel.value
+
+
+def test_methods_not_named_run_as_written():
+  # A setter and a getter must not see the compute dtype: a float32 value
+  # stored through them keeps every bit.
+  model = mp_nnx.wrap(WithAccessors(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  w = jnp.full((2, 2), 1.0 + 2.0**-12, jnp.float32)  # not a bfloat16 value
+  model.load_kernel(w)
+  assert model.kernel().dtype == jnp.float32
+  np.testing.assert_array_equal(model.kernel(), w)
+  assert model(jnp.ones((1, 2))).dtype == jnp.float32  # __call__ still wrapped
 
 
 IMAGES = jnp.asarray(
