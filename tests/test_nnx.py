@@ -431,10 +431,10 @@ class WithAccessors(nnx.Module):
     return self.lin(x)
 
   def load_kernel(self, w):
-    self.lin.kernel.value = w
+    self.lin.kernel[...] = w
 
   def kernel(self):
-    return self.lin.kernel.value
+    return self.lin.kernel[...]
 
 
 def test_methods_not_named_run_as_written():
