@@ -573,7 +573,7 @@ class Checkpointer:
         raise
       raise OSError(
         f"Checkpoint {step} in {self.directory}: cannot read leaves {bad} "
-        "(the first found in each item; damaged or missing data). Restore "
+        "(up to 5 per item; damaged or missing data). Restore "
         "another step (all_steps() lists them)."
       ) from e
 

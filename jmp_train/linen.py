@@ -591,7 +591,7 @@ def wrap(
 
 def _selectors(items: Any, argument: str) -> tuple:
   """Module classes and name patterns, validated, as a tuple."""
-  if isinstance(items, str):
+  if isinstance(items, (str, type)):
     items = (items,)
   try:
     items = tuple(items)

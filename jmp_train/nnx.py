@@ -67,6 +67,7 @@ class _Config(NamedTuple):
   policy: policy_lib.Policy
   output_to_enclosing: bool  # defaults return to the enclosing compute dtype
   is_root: bool  # the module `wrap` was called on
+  arguments: tuple = ()  # a root's other `wrap` arguments, as (name, value)
 
 
 class _Context(threading.local):
@@ -131,7 +132,7 @@ def _owners(model: nnx.Module) -> tuple[list, list]:
 
 def _selectors(items: Any) -> tuple:
   """`respect_dtype_fields`' module classes and path patterns, validated."""
-  if isinstance(items, str):
+  if isinstance(items, (str, type)):
     items = (items,)
   try:
     items = tuple(items)
@@ -149,6 +150,15 @@ def _selectors(items: Any) -> tuple:
   return items
 
 
+def _selected(module: nnx.Module, path: tuple, item: type | str) -> bool:
+  """Whether `item` (a class, or a pattern on the module's attribute name or
+  its "/"-joined path, as linen matches names and paths) selects `module`."""
+  if isinstance(item, type):
+    return isinstance(module, item)
+  names = ["/".join(map(str, path)), *(map(str, path[-1:]))]
+  return any(fnmatch.fnmatchcase(name, item) for name in names)
+
+
 def _respected(modules: list, respect: bool | tuple):
   """`modules` (from `_owners`) with whether each keeps its dtype attributes:
   all with True; with selectors, those matching and everything inside them."""
@@ -156,12 +166,7 @@ def _respected(modules: list, respect: bool | tuple):
     path
     for module, _, _, path in modules
     if respect is not True
-    and any(
-      isinstance(module, item)
-      if isinstance(item, type)
-      else fnmatch.fnmatchcase("/".join(map(str, path)), item)
-      for item in respect or ()
-    )
+    and any(_selected(module, path, item) for item in respect or ())
   ]
   for module, config, in_inner_wrap, path in modules:
     inside = any(path[: len(m)] == m for m in matched)
@@ -303,12 +308,33 @@ def _subclass(cls: type, kind: str, methods: Mapping[str, Any]) -> type:
   return _CLASSES[key]
 
 
+def _original_class(cls: type) -> type:
+  """The class as written, under the subclasses `wrap` swapped in."""
+  while getattr(cls, "_jmp_train_kind", None) is not None:
+    cls = cls.__mro__[1]
+  return cls
+
+
+def _unconvert(module: nnx.Module) -> None:
+  object.__setattr__(module, "__class__", _original_class(type(module)))
+  object.__delattr__(module, _CONFIG)
+
+
+def _wrap_arguments(model: nnx.Module) -> dict[str, Any]:
+  """The `overrides`, `methods` and `respect_dtype_fields` that `model` was
+  last wrapped with (empty if it was not), to wrap it again alike."""
+  config = getattr(model, _CONFIG, None)
+  if config is None or not config.is_root:
+    return {}
+  arguments = dict(config.arguments)
+  arguments["overrides"] = dict(arguments["overrides"]) or None
+  return arguments
+
+
 def _convert(
   module: nnx.Module, config: _Config, names: tuple[str, ...] = ()
 ) -> None:
-  cls = type(module)
-  while getattr(cls, "_jmp_train_kind", None) is not None:
-    cls = cls.__mro__[1]  # converted before: start from the class as written
+  cls = _original_class(type(module))
   methods = {
     name: _policy_method(name, fn)
     for name, fn in _policy_methods(cls, names).items()
@@ -408,22 +434,43 @@ def wrap(
   table = _override_table(policy, overrides)
   if isinstance(methods, str):
     methods = (methods,)
-  methods = tuple(methods)
+  if isinstance(methods, Iterable):
+    methods = tuple(methods)
+  if not isinstance(methods, tuple) or not all(
+    isinstance(m, str) for m in methods
+  ):
+    raise TypeError(
+      f"methods takes names of the model's methods (str), got {methods!r}."
+    )
   respect = respect_dtype_fields
   if not isinstance(respect, bool):
     respect = _selectors(respect)
-  for _, node in nnx.iter_graph(model):
-    if not isinstance(node, nnx.Module) or node is model:
+  modules = [
+    (tuple(path), node)
+    for path, node in nnx.iter_graph(model)
+    if isinstance(node, nnx.Module) and node is not model
+  ]
+  inner_roots = [  # a user's own wraps inside the model keep their policy
+    path
+    for path, node in modules
+    if getattr(node, _CONFIG, None) is not None
+    and getattr(node, _CONFIG).is_root
+  ]
+  for path, node in modules:
+    if any(path[: len(root)] == root for root in inner_roots):
       continue
     if getattr(node, _CONFIG, None) is not None:
-      continue  # wrapped before (or reached twice): keeps its policy
+      _unconvert(node)  # an override of this model's previous wrap
     override = _find_override(node, table)
     if override is not None:
       _, sub_policy, to_enclosing = override
       _convert(node, _Config(sub_policy, to_enclosing, False))
-  if getattr(model, _CONFIG, None) is not None:
-    object.__setattr__(model, _CONFIG, None)  # re-wrap with the new policy
-  _convert(model, _Config(policy, False, True), methods)
+  arguments = (
+    ("overrides", tuple((overrides or {}).items())),
+    ("methods", methods),
+    ("respect_dtype_fields", respect),
+  )
+  _convert(model, _Config(policy, False, True, arguments), methods)
   modules, params = _owners(model)
   for module, config, in_inner_wrap, respected in _respected(modules, respect):
     if not in_inner_wrap:  # an inner wrap set its modules' dtype attributes

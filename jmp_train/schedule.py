@@ -164,8 +164,10 @@ def adjust_nnx_precision(
 ) -> None:
   """`adjust_precision` for Flax NNX: converts `model` and `optimizer` in place.
 
-  Re-wraps `model` under `preset.policy` (`jmp_train.nnx.wrap`, with
-  `overrides`), gives each param its float32 value in its new dtype, and
+  Re-wraps `model` under `preset.policy` (`jmp_train.nnx.wrap`, with the
+  `overrides`, `methods` and `respect_dtype_fields` it was last wrapped with;
+  `overrides` replaces those), gives each param its float32 value in its new
+  dtype, and
   replaces `optimizer.opt_state` (an `nnx.Optimizer` over `mixed_precision`)
   with the converted state; `optimizer.step` and its transformation are kept.
   Call it between steps: a jitted step retraces once.
@@ -179,7 +181,10 @@ def adjust_nnx_precision(
   wrt = optimizer.wrt
   params = flax_nnx.as_pure(flax_nnx.state(model, wrt))
   opt_state = flax_nnx.as_pure(optimizer.opt_state)
-  mp_nnx.wrap(model, preset.policy, overrides)  # the new storage dtypes
+  arguments = mp_nnx._wrap_arguments(model)  # as the model was wrapped
+  if overrides is not None:
+    arguments["overrides"] = overrides
+  mp_nnx.wrap(model, preset.policy, **arguments)  # the new storage dtypes
   dtypes = flax_nnx.as_pure(flax_nnx.state(model, wrt))
   new_params, new_state = adjust_precision(
     params, opt_state, preset, param_dtypes=dtypes

@@ -386,8 +386,8 @@ def mixed_precision(
         grads_full, inner_state, _full_view(params, masters), **extra_args
       )
 
-      # Master leaves emit the float32 delta cast(new_master) - param, which
-      # optax.apply_updates turns into cast(new_master) exactly; so do
+      # Master leaves emit a float32 delta that optax.apply_updates turns
+      # into the kept master cast down, exactly (`_exact_delta`); so do
       # stochastically rounded leaves, with their rounded value.
       def out_update(p, m, u, key):
         if _is_masked(p):
@@ -486,12 +486,13 @@ def _exact_delta(param: jax.Array, master: jax.Array) -> tuple:
   is `master - float32(param)` and the master kept is
   `float32(param) + update`, the very value `apply_updates` casts, so after
   it the params equal the kept master cast down, bit for bit, on every step.
-  The subtraction is exact, and the master kept is the new master, unless
-  a param halves or changes sign in one step; then it rounds, and the kept
-  master differs from the new one by at most 2**-24 of the old param, the
-  float32 rounding of the step itself. (`cast(master) - float32(param)`
-  would keep the master but misses `cast(master)` when the new value is
-  below about 2**-16 of the old one: no float32 update reaches it.)
+  The subtraction is exact, and the kept master is the new one, unless the
+  param halves, changes sign or grows more than 2**16-fold (2**13 for
+  float16) in one step; then the kept master differs from the new one by at
+  most one float32 ulp of the update, the size of the update's own
+  rounding. (`cast(master) - float32(param)` would keep the master but
+  misses `cast(master)` where the new value is below about 2**-16 of the
+  old one: no float32 update reaches it.)
   """
   delta = master - param.astype(jnp.float32)
   return delta, param.astype(jnp.float32) + delta
@@ -570,9 +571,10 @@ def _child(node: Any, key: Any) -> Any:
 
 
 def _is_transformation_state(x: Any) -> bool:
-  """An optax state: a NamedTuple (EmptyState, ScaleByAdamState, ...), or a
-  chain's tuple or dict of them."""
-  if isinstance(x, tuple) and hasattr(x, "_fields"):
+  """An optax state: a NamedTuple (EmptyState, ScaleByAdamState, ...), the
+  `()` or None of a hand-written stateless transformation, or a chain's
+  tuple or dict of them."""
+  if x is None or (type(x) is tuple and not x) or hasattr(x, "_fields"):
     return True
   if isinstance(x, (tuple, dict)):
     values = x.values() if isinstance(x, dict) else x

@@ -536,3 +536,40 @@ def test_variable_call_arguments_keep_their_in_place_updates():
   np.testing.assert_allclose(
     total[...], (y1 + y2).astype(jnp.float32).sum(0), rtol=1e-2
   )
+
+
+class Nested(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(2, 2, rngs=rngs)
+    self.inner = mp_nnx.wrap(nnx.Linear(2, 2, rngs=rngs), "p=f32,c=f16,o=f32")
+
+  def __call__(self, x):
+    return self.inner(self.a(x))
+
+  def encode(self, x):
+    return self.a(x)
+
+
+def _dots(model, method="__call__"):
+  graphdef, state = nnx.split(model)
+  run = lambda s: getattr(nnx.merge(graphdef, s), method)(jnp.ones((1, 2)))  # noqa: E731
+  return primitive_operand_dtypes(run, state)
+
+
+def test_rewrapping_starts_over_but_keeps_inner_wraps_and_settings():
+  f32, f16 = ("float32", "float32"), ("float16", "float16")
+  model = mp_nnx.wrap(
+    Nested(nnx.Rngs(0)), "p=f32,c=bf16,o=f32", {nnx.Linear: "float32"}
+  )
+  assert _dots(model) == [f32, f16]  # the override, and the inner wrap
+  mp_nnx.wrap(model, "p=f32,c=bf16,o=f32")  # no override any more
+  assert _dots(model) == [BF16_PAIR, f16]
+  # adjust_nnx_precision wraps again with the model's methods= and
+  # respect_dtype_fields, not the defaults.
+  model = mp_nnx.wrap(Nested(nnx.Rngs(0)), "p=f32,c=bf16", methods=["encode"])
+  tx = jmp_train.get_preset("bf16-mixed").mixed_precision(optax.sgd(0.1))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  jmp_train.adjust_nnx_precision(model, optimizer, "fp16-mixed")
+  assert _dots(model, "encode") == [f16]
+  with pytest.raises(TypeError, match="methods takes names"):
+    mp_nnx.wrap(Nested(nnx.Rngs(0)), "p=f32", methods=[Nested.encode])

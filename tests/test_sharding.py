@@ -337,6 +337,9 @@ def test_step_refuses_donated_mismatched_and_integer_loss_inputs():
   bf16 = {"w": jnp.ones((8,), jnp.bfloat16)}
   with pytest.raises(ValueError, match=r"lacks leaves \['master_params/w'\]"):
     step(bf16, new_state, batch)  # a state built for float32 params
+  int16 = new_state._replace(steps=new_state.steps.astype(jnp.int16))
+  with pytest.raises(ValueError, match=r"'steps' is int16\[\].*int32\[\]"):
+    step(new, int16, batch)  # would run, with a counter that wraps at 32767
   bf16_step = sharding.make_train_step(_linear_loss, tx, mesh=_mesh())
   _, bf16_state = bf16_step.init(bf16)
   wider = {"w": jnp.ones((16,), jnp.bfloat16)}
