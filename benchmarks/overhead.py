@@ -78,8 +78,8 @@ def loss_fn(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_master_steps(update_only):
-  """bf16 params with float32 masters: by hand, and mixed_precision's."""
+def shared_steps(update_only):
+  """What every variant shares: adam, the gradients, and our step."""
   adam = optax.adam(1e-3)
   ours_tx = jmp_train.mixed_precision(
     optax.adam(1e-3), loss_scale=jmp_train.dynamic_loss_scale()
@@ -89,6 +89,25 @@ def make_master_steps(update_only):
     if update_only:
       return jax.tree.map(lambda p: x[0, 0] * scale * jnp.ones_like(p), params)
     return jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
+
+  def ours(params, state, x, y):
+    grads = grads_of(params, x, y, jmp_train.current_loss_scale(state))
+    updates, state = ours_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return adam, grads_of, (ours_tx.init, ours)
+
+
+def jitted(steps):
+  return {
+    k: (init, jax.jit(fn, donate_argnums=(0, 1)))
+    for k, (init, fn) in steps.items()
+  }
+
+
+def make_master_steps(update_only):
+  """bf16 params with float32 masters: by hand, and mixed_precision's."""
+  adam, grads_of, ours = shared_steps(update_only)
 
   def hand_init(params):
     masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
@@ -103,28 +122,11 @@ def make_master_steps(update_only):
     params = jax.tree.map(lambda m, p: m.astype(p.dtype), masters, params)
     return params, (masters, opt_state)
 
-  def ours(params, state, x, y):
-    grads = grads_of(params, x, y, jmp_train.current_loss_scale(state))
-    updates, state = ours_tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  steps = {"hand-masters": (hand_init, hand), "ours": (ours_tx.init, ours)}
-  return {
-    k: (init, jax.jit(fn, donate_argnums=(0, 1)))
-    for k, (init, fn) in steps.items()
-  }
+  return jitted({"hand-masters": (hand_init, hand), "ours": ours})
 
 
 def make_steps(update_only, study=False):
-  adam = optax.adam(1e-3)
-  ours_tx = jmp_train.mixed_precision(
-    optax.adam(1e-3), loss_scale=jmp_train.dynamic_loss_scale()
-  )
-
-  def grads_of(params, x, y, scale):
-    if update_only:
-      return jax.tree.map(lambda p: x[0, 0] * scale * jnp.ones_like(p), params)
-    return jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
+  adam, grads_of, ours = shared_steps(update_only)
 
   def plain(params, state, x, y):
     grads = grads_of(params, x, y, 1.0)
@@ -161,11 +163,6 @@ def make_steps(update_only, study=False):
       jmp_train.select_tree(finite, new_state, state),
     )
 
-  def ours(params, state, x, y):
-    grads = grads_of(params, x, y, jmp_train.current_loss_scale(state))
-    updates, state = ours_tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
   def jmp_style(params, state, x, y):
     opt_state, loss_scale = state
     grads = loss_scale.unscale(grads_of(params, x, y, loss_scale.loss_scale))
@@ -180,7 +177,7 @@ def make_steps(update_only, study=False):
   steps = {
     "plain": (adam.init, plain),
     "skip-only": (adam.init, skip_only),
-    "ours": (ours_tx.init, ours),
+    "ours": ours,
     "jmp-style": (
       lambda p: (adam.init(p), jmp_train.dynamic_loss_scale()),
       jmp_style,
@@ -189,10 +186,7 @@ def make_steps(update_only, study=False):
   if study:
     steps["tiny-cond"] = (adam.init, tiny_cond)
     steps["select-skip"] = (adam.init, select_skip)
-  return {
-    k: (init, jax.jit(fn, donate_argnums=(0, 1)))
-    for k, (init, fn) in steps.items()
-  }
+  return jitted(steps)
 
 
 def main(argv=None):

@@ -354,6 +354,13 @@ def _overhead(r) -> list[str]:
   return out + _overhead_masters(r) + _overhead_gpu(r)
 
 
+def _what(result) -> str:
+  """An overhead.py result's row label: what was timed."""
+  if result["what"].startswith("optimizer"):
+    return "optimizer update only"
+  return f"full step, batch {result['batch']}"
+
+
 def _overhead_masters(r) -> list[str]:
   keys = (
     ("overhead-masters", "CPU"),
@@ -367,13 +374,8 @@ def _overhead_masters(r) -> list[str]:
       continue
     x = r[key]
     m, q = x["median_ms"], x["ratio_vs_hand-masters"]
-    what = (
-      "optimizer update only"
-      if x["what"].startswith("optimizer")
-      else f"full step, batch {x['batch']}"
-    )
     rows.append(
-      f"| {what} | {machine} | {m['hand-masters']:.3f} |"
+      f"| {_what(x)} | {machine} | {m['hand-masters']:.3f} |"
       f" **{m['ours']:.3f} ({_x(q['ours'])})** |"
     )
   if not rows:
@@ -407,11 +409,7 @@ def _overhead_gpu(r) -> list[str]:
       continue
     x = r[key]
     m, q = x["median_ms"], x["ratio_vs_plain"]
-    label = (
-      "optimizer update only"
-      if x["what"].startswith("optimizer")
-      else f"full step, batch {x['batch']}"
-    )
+    label = _what(x)
     extra = ""
     if "tiny-cond" in m:
       label += " (`--study`)"

@@ -85,18 +85,6 @@ class _Context(threading.local):
 _CTX = _Context()
 
 
-def _dtype_field_updates(obj: Any, policy: policy_lib.Policy) -> dict:
-  """The `dtype`/`param_dtype` fields of dataclass `obj` that `policy` sets."""
-  wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
-  updates = {}
-  for field in dataclasses.fields(obj):
-    if field.name in wanted and field.init:
-      current = policy_lib._policy_float(getattr(obj, field.name))
-      if current is not None and current != np.dtype(wanted[field.name]):
-        updates[field.name] = wanted[field.name]
-  return updates
-
-
 def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
   """Fields of `module` to replace so that it runs under `policy`.
 
@@ -104,7 +92,7 @@ def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
   carrying them (a config such as lm1b's `TransformerConfig`, replaced with
   `dataclasses.replace`); submodules are left to their own turn.
   """
-  updates = _dtype_field_updates(module, policy)
+  updates = policy_lib._dtype_field_updates(module, policy)
   for field in dataclasses.fields(module):
     value = getattr(module, field.name, None)
     if (
@@ -114,9 +102,9 @@ def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
       or not dataclasses.is_dataclass(value)
     ):
       continue
-    config_updates = _dtype_field_updates(value, policy)
-    if config_updates:
-      updates[field.name] = dataclasses.replace(value, **config_updates)
+    config = policy_lib._with_policy_dtypes(value, policy)
+    if config is not None:
+      updates[field.name] = config
   return updates
 
 

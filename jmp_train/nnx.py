@@ -173,18 +173,6 @@ def _respected(modules: list, respect: bool | tuple):
     yield module, config, in_inner_wrap, respect is True or inside
 
 
-def _dtype_updates(values: Mapping[str, Any], policy) -> dict[str, Any]:
-  """The float `dtype`/`param_dtype` entries of `values` that `policy` sets."""
-  wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
-  return {
-    name: wanted[name]
-    for name, value in values.items()
-    if name in wanted
-    and (current := policy_lib._policy_float(value)) is not None
-    and current != np.dtype(wanted[name])
-  }
-
-
 def _set_dtype_attributes(module: nnx.Module, policy) -> None:
   """Gives `module` the dtype attributes it has as written, then `policy`'s.
 
@@ -197,7 +185,7 @@ def _set_dtype_attributes(module: nnx.Module, policy) -> None:
   if policy is None:
     return
   attributes = vars(module)
-  updates = _dtype_updates(attributes, policy)
+  updates = policy_lib._dtype_updates(attributes, policy)
   for name, value in attributes.items():
     if (
       name.startswith("_pytree__")
@@ -207,14 +195,9 @@ def _set_dtype_attributes(module: nnx.Module, policy) -> None:
       or nnx_graph.is_graph_node(value)
     ):
       continue
-    fields = {
-      f.name: getattr(value, f.name)
-      for f in dataclasses.fields(value)
-      if f.init
-    }
-    config_updates = _dtype_updates(fields, policy)
-    if config_updates:  # a config carrying dtypes, read at call time
-      updates[name] = dataclasses.replace(value, **config_updates)
+    config = policy_lib._with_policy_dtypes(value, policy)
+    if config is not None:  # a config carrying dtypes, read at call time
+      updates[name] = config
   originals = tuple((name, attributes[name]) for name in sorted(updates))
   for name, value in updates.items():
     setattr(module, name, value)

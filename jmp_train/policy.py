@@ -140,6 +140,37 @@ def _policy_float(value: Any) -> np.dtype | None:
   return dtype if dtype in _CASTABLE else None
 
 
+def _dtype_updates(values: Mapping[str, Any], policy: Policy) -> dict:
+  """The float `dtype`/`param_dtype` settings among `values` that `policy`
+  sets, with the policy's value for each (the compute and param dtypes)."""
+  wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+  return {
+    name: wanted[name]
+    for name, value in values.items()
+    if name in wanted
+    and (current := _policy_float(value)) is not None
+    and current != np.dtype(wanted[name])
+  }
+
+
+def _dtype_field_updates(obj: Any, policy: Policy) -> dict:
+  """`_dtype_updates` of the init fields of dataclass `obj` (a linen module,
+  a model config)."""
+  fields = {
+    f.name: getattr(obj, f.name)
+    for f in dataclasses.fields(obj)
+    if f.init and f.name in ("dtype", "param_dtype")
+  }
+  return _dtype_updates(fields, policy)
+
+
+def _with_policy_dtypes(config: Any, policy: Policy) -> Any:
+  """Dataclass `config` (a model config carrying `dtype`/`param_dtype`) with
+  those fields set to `policy`'s, or None if it has none to set."""
+  updates = _dtype_field_updates(config, policy)
+  return dataclasses.replace(config, **updates) if updates else None
+
+
 def _is_castable(x: Any) -> bool:
   return (
     isinstance(x, (jax.Array, np.ndarray, np.generic)) and x.dtype in _CASTABLE

@@ -568,50 +568,8 @@ class TrainStep:
     _check_not_donated(params, "params")
     if not _matches(opt_state, plan.opt_state_padded):
       _check_not_donated(opt_state, "opt_state")
-      self._check_opt_state(params, opt_state)
+      _check_opt_state(plan, opt_state)
     return self._jitted_for(plan)(params, opt_state, batch)
-
-  def _check_opt_state(self, params, opt_state) -> None:
-    """Refuses a state that is not what `init(params)` builds for this step.
-
-    Another optimizer's state, or params of other dtypes or shapes than the
-    state was built for, would otherwise fail deep inside jit with a pytree
-    or type error that names neither.
-    """
-    expected = self.plan(params).opt_state_padded
-    want = jax.tree.structure(expected)
-    got = jax.tree.structure(opt_state)
-    hint = (
-      "Build the state with this step's init(params), for these params "
-      "(their dtypes and shapes) and this optimizer."
-    )
-    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state)
-    if want != got:
-      names = lambda tree: [_keystr(p) for p, _ in tree]  # noqa: E731
-      have = names(flat)
-      need = names(jax.tree_util.tree_flatten_with_path(expected)[0])
-      missing = [k for k in need if k not in set(have)][:3]
-      extra = [k for k in have if k not in set(need)][:3]
-      detail = (
-        f"it lacks leaves {missing} and has leaves {extra} the step does not "
-        "build"
-        if missing or extra
-        else f"expected {want}, got {got}"
-      )
-      raise ValueError(
-        "opt_state does not have the structure this TrainStep's optimizer "
-        f"builds for these params: {detail}. {hint}"
-      )
-    for (path, x), e in zip(flat, jax.tree.leaves(expected), strict=True):
-      shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None)
-      if dtype is None or shape != tuple(e.shape) or dtype != e.dtype:
-        name = _keystr(path)
-        kind = f"{np.dtype(dtype).name}{list(shape)}" if dtype else repr(x)
-        raise ValueError(
-          f"opt_state leaf {name!r} is {kind}, but for "
-          f"these params this TrainStep expects "
-          f"{np.dtype(e.dtype).name}{list(e.shape)}. {hint}"
-        )
 
   def _check_batch(self, batch) -> None:
     multiple = self.num_shards * self.accum_steps
@@ -622,6 +580,49 @@ class TrainStep:
           f"accum_steps = {self.num_shards} x {self.accum_steps}; got shape "
           f"{np.shape(x)}."
         )
+
+
+def _check_opt_state(plan: _Plan, opt_state: Any) -> None:
+  """Refuses a state that is not what `init(params)` builds for this step.
+
+  Another optimizer's state, or params of other dtypes or shapes than the
+  state was built for, would otherwise fail deep inside jit with a pytree or
+  type error that names neither.
+  """
+  expected = plan.opt_state_padded
+  want = jax.tree.structure(expected)
+  got = jax.tree.structure(opt_state)
+  hint = (
+    "Build the state with this step's init(params), for these params "
+    "(their dtypes and shapes) and this optimizer."
+  )
+  flat, _ = jax.tree_util.tree_flatten_with_path(opt_state)
+  if want != got:
+    names = lambda tree: [_keystr(p) for p, _ in tree]  # noqa: E731
+    have = names(flat)
+    need = names(jax.tree_util.tree_flatten_with_path(expected)[0])
+    missing = [k for k in need if k not in set(have)][:3]
+    extra = [k for k in have if k not in set(need)][:3]
+    detail = (
+      f"it lacks leaves {missing} and has leaves {extra} the step does not "
+      "build"
+      if missing or extra
+      else f"expected {want}, got {got}"
+    )
+    raise ValueError(
+      "opt_state does not have the structure this TrainStep's optimizer "
+      f"builds for these params: {detail}. {hint}"
+    )
+  for (path, x), e in zip(flat, jax.tree.leaves(expected), strict=True):
+    shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None)
+    if dtype is None or shape != tuple(e.shape) or dtype != e.dtype:
+      name = _keystr(path)
+      kind = f"{np.dtype(dtype).name}{list(shape)}" if dtype else repr(x)
+      raise ValueError(
+        f"opt_state leaf {name!r} is {kind}, but for "
+        f"these params this TrainStep expects "
+        f"{np.dtype(e.dtype).name}{list(e.shape)}. {hint}"
+      )
 
 
 def _matches(tree: Any, expected: Any) -> bool:

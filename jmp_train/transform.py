@@ -528,23 +528,20 @@ def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
   return jax.tree.map(view, params, masters, is_leaf=_is_masked)
 
 
+def _states_with_paths(opt_state: Any) -> list[tuple]:
+  """`(tree path, state)` of every `mixed_precision` state, in tree order."""
+  is_state = lambda x: isinstance(x, MixedPrecisionState)  # noqa: E731
+  flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_state)
+  return [(path, leaf) for path, leaf in flat if is_state(leaf)]
+
+
 def _mixed_precision_states(opt_state: Any) -> list[MixedPrecisionState]:
   """Every `mixed_precision` state in `opt_state`, in tree order."""
-  is_state = lambda x: isinstance(x, MixedPrecisionState)  # noqa: E731
-  return [
-    s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)
-  ]
+  return [state for _, state in _states_with_paths(opt_state)]
 
 
 def _find_state(opt_state: Any) -> MixedPrecisionState:
-  is_state = lambda x: isinstance(x, MixedPrecisionState)  # noqa: E731
-  found = [
-    (path, leaf)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(
-      opt_state, is_leaf=is_state
-    )[0]
-    if is_state(leaf)
-  ]
+  found = _states_with_paths(opt_state)
   if len(found) != 1:
     raise ValueError(
       "Expected exactly one mixed_precision state in the optimizer state, "
