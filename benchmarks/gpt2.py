@@ -12,7 +12,10 @@ Rows, timed side by side in one process (rotated order, median per round):
 - fp32, bf16-mixed, bf16-fp8-mixed (or `--presets`): the model under
   `linen.wrap(model, preset.policy, fp8=preset.fp8)` and
   `preset.mixed_precision(optax.adamw)`, stepped by
-  `sharding.make_train_step` on one device (FP8 states advance inside it).
+  `jmp_train.train.make_train_step` on one device (FP8 metadata advances
+  inside it).
+
+Every step donates its state.
 
 The model is GPT-2 small: 12 layers, d_model 768, 12 heads, context 1024,
 vocabulary 50304 (50257 padded to a multiple of 64), tied embeddings; 124.5M
@@ -29,20 +32,24 @@ import argparse
 import json
 import pathlib
 import platform
-import runpy
 import statistics
+import sys
 import time
 
+# The shared GPT model lives with the examples.
+sys.path.insert(
+  0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+)
+
+import gpt_model
 import jax
 import jax.numpy as jnp
+import md
 import numpy as np
 import optax
-from jax.sharding import AxisType
 
 import jmp_train
-from jmp_train import sharding
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from jmp_train import train
 
 # Dense bf16 peak FLOP/s (no sparsity), from the vendors' data sheets.
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -72,43 +79,99 @@ def peak_flops(kind: str) -> float | None:
   return None
 
 
+def table(results: dict) -> str:
+  """Steps/s and MFU per step and batch, and the verdict for bf16-mixed."""
+  if not results:
+    return md.not_measured("benchmarks/gpt2.py (it needs a GPU)")
+  runs = sorted(results.values(), key=lambda g: g["batch"])
+  g = runs[0]
+  rows = [
+    [
+      x["step"],
+      r["batch"],
+      f"{x['ms']:.1f}",
+      f"{x['steps_per_s']:.2f}",
+      f"{x['tokens_per_s']:,}",
+      f"{x['tflops']:.1f}",
+      f"{100 * x['mfu']:.1f}%" if x["mfu"] is not None else "n/a",
+      md.ratio(x["ratio_vs_plain"]),
+    ]
+    for r in runs
+    for x in r["rows"]
+  ]
+  header = ["step", "batch", "ms/step", "steps/s", "tokens/s", "TFLOP/s"]
+  peak = g["peak_bf16_tflops"]
+  out = [
+    f"{g['model']}, on {g['device']}; "
+    + (
+      f"MFU over a dense bf16 peak of {peak} TFLOP/s."
+      if peak
+      else "no bf16 peak known for this device, so no MFU."
+    ),
+    "",
+    md.table([*header, "MFU", "vs the batch's first row"], rows),
+  ]
+  by_name = {x["step"]: x for x in g["rows"]}
+  mixed = by_name.get("bf16-mixed")
+  if mixed and mixed["mfu"] is not None:
+    line = (
+      f"Goal (bf16-mixed >= 45% MFU): {100 * mixed['mfu']:.1f}%,"
+      f" {md.verdict(mixed['mfu'] >= 0.45)}."
+    )
+    if "hand-bf16" in by_name:
+      line += (
+        f" bf16-mixed takes {md.ratio(mixed['ms'] / by_name['hand-bf16']['ms'])}"
+        " the time of the hand-written bf16 step"
+      )
+      if "bf16-fp8-mixed" in by_name:
+        fp8 = by_name["bf16-fp8-mixed"]["ms"] / mixed["ms"]
+        line += f"; bf16-fp8-mixed {md.ratio(fp8)} the bf16-mixed step"
+      line += f" (batch {g['batch']})."
+    out += ["", line]
+  return "\n".join(out)
+
+
 def main(argv=None):
   args = parse_args(argv)
-  gpt = runpy.run_path(str(ROOT / "examples" / "gpt.py"), run_name="bench")
   if args.tiny:
     cfg = dict(layers=2, d_model=64, heads=4, seq_len=64, vocab=128)
   else:
     cfg = dict(layers=12, d_model=768, heads=12, seq_len=1024, vocab=50304)
-  base = gpt["GPT"](**cfg, tied=True, fused_attention=True)
+  base = gpt_model.GPT(**cfg, tied=True, fused_attention=True)
   seq = cfg["seq_len"]
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(
     rng.integers(0, cfg["vocab"], (args.batch, seq + 1)), jnp.int32
   )
-  loss_of = gpt["cross_entropy"]
-  init_params = jax.jit(
+  loss_of = gpt_model.cross_entropy
+  init_variables = jax.jit(
     lambda m: m.init(jax.random.key(0), tokens[:1, :-1]), static_argnums=0
   )
-  mesh = jax.make_mesh(
-    (1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1]
-  )
 
+  # Every step is `state, metrics = step(state, batch)`, donating the state.
   steps = {}
   # plain: hand-written optax step on the unwrapped float32 model.
   adamw = optax.adamw(1e-4)
 
-  @jax.jit
-  def plain_step(params, opt_state, batch):
-    def loss_fn(p):
-      return loss_of(base.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
+  def hand_step(cast):
+    @jax.jit(donate_argnums=0)
+    def step(state, batch):
+      params, opt_state = state
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = adamw.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+      def loss_fn(p):
+        logits = base.apply({"params": cast(p)}, batch[:, :-1])
+        return loss_of(logits, batch[:, 1:])
 
-  params = init_params(base)["params"]
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = adamw.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      return (params, opt_state), {"loss": loss}
+
+    return step
+
+  params = init_variables(base)["params"]
   if not args.no_plain:
-    steps["plain"] = (plain_step, (params, adamw.init(params)))
+    steps["plain"] = (hand_step(lambda p: p), (params, adamw.init(params)))
 
   # hand-bf16: every param cast to bf16 in the loss (LayerNorm's too: flax's
   # LayerNorm still reduces in float32; with float32 scale and bias it would
@@ -116,17 +179,8 @@ def main(argv=None):
   def to_bf16(tree):
     return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
 
-  @jax.jit
-  def hand_bf16_step(params, opt_state, batch):
-    def loss_fn(p):
-      logits = base.apply({"params": to_bf16(p)}, batch[:, :-1])
-      return loss_of(logits, batch[:, 1:])
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = adamw.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
-
-  steps["hand-bf16"] = (hand_bf16_step, (params, adamw.init(params)))
+  params = init_variables(base)["params"]  # the plain step donates its own
+  steps["hand-bf16"] = (hand_step(to_bf16), (params, adamw.init(params)))
   n_params = sum(x.size for x in jax.tree.leaves(params))
   n_flops = n_params - params["pos"].size
 
@@ -134,19 +188,21 @@ def main(argv=None):
     preset = jmp_train.get_preset(name)
     model = jmp_train.linen.wrap(base, preset.policy, fp8=preset.fp8)
 
-    def loss_fn(variables, batch, model=model):
-      return loss_of(model.apply(variables, batch[:, :-1]), batch[:, 1:])
+    def loss_fn(params, batch, model_state, key, model=model):
+      logits = model.apply({"params": params, **model_state}, batch[:, :-1])
+      return loss_of(logits, batch[:, 1:])
 
-    step = sharding.make_train_step(
-      loss_fn, preset.mixed_precision(optax.adamw(1e-4)), mesh=mesh
+    tx = preset.mixed_precision(optax.adamw(1e-4))
+    variables = init_variables(model)
+    state = train.TrainState.create(
+      params=variables["params"], tx=tx, fp8=variables.get("fp8_meta")
     )
-    steps[name] = (step, step.init(init_params(model)))
+    steps[name] = (train.make_train_step(loss_fn, tx), state)
 
   state = {}
-  for name, (step, init) in steps.items():
-    s = init
+  for name, (step, s) in steps.items():
     for _ in range(args.warmup):
-      *s, metrics = step(*s, tokens)
+      s, metrics = step(s, tokens)
     jax.block_until_ready(s)
     state[name] = s
     print(f"{name}: warm, loss {float(metrics['loss']):.3f}")
@@ -159,7 +215,7 @@ def main(argv=None):
       s = state[name]
       t0 = time.perf_counter()
       for _ in range(args.steps_per_round):
-        *s, metrics = step(*s, tokens)
+        s, metrics = step(s, tokens)
       jax.block_until_ready(s)
       times[name].append((time.perf_counter() - t0) / args.steps_per_round)
       state[name] = s
@@ -184,7 +240,9 @@ def main(argv=None):
       }
     )
   result = {
-    "model": f"GPT {cfg}, tied, {n_params / 1e6:.1f}M params",
+    "model": f"GPT {cfg['layers']} layers, d_model {cfg['d_model']},"
+    f" {cfg['heads']} heads, context {seq}, vocabulary {cfg['vocab']}, tied"
+    f" embeddings; {n_params / 1e6:.1f}M params",
     "batch": args.batch,
     "rounds": args.rounds,
     "steps_per_round": args.steps_per_round,
@@ -194,16 +252,7 @@ def main(argv=None):
     "ratios_vs": names[0],
     "jax": jax.__version__,
   }
-  print(f"{result['model']}, batch {args.batch}x{seq} on {result['device']}")
-  print("| step | ms/step | steps/s | tokens/s | TFLOP/s | MFU | vs plain |")
-  print("|---|---|---|---|---|---|---|")
-  for r in rows:
-    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-    print(
-      f"| {r['step']} | {r['ms']:.1f} | {r['steps_per_s']:.2f} | "
-      f"{r['tokens_per_s']} | {r['tflops']:.1f} | {mfu} | "
-      f"{r['ratio_vs_plain']:.3f}x |"
-    )
+  print(table({"gpt2": result}))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
   return result

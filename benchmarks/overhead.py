@@ -35,6 +35,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import md
 import numpy as np
 import optax
 
@@ -187,6 +188,210 @@ def make_steps(update_only, study=False):
     steps["tiny-cond"] = (adam.init, tiny_cond)
     steps["select-skip"] = (adam.init, select_skip)
   return jitted(steps)
+
+
+# -- the page's tables (benchmarks/suite.py) ----------------------------------
+
+
+def _on_gpu(r: dict) -> bool:
+  return not r["device"].startswith("cpu")
+
+
+def _label(r: dict) -> str:
+  """A row's label: what was timed."""
+  if r["what"].startswith("optimizer"):
+    return "optimizer update only"
+  return f"full step, batch {r['batch']}"
+
+
+def _rows(results: dict, gpu: bool, base: str) -> list[dict]:
+  """The results against `base` on one machine: full steps by batch, then
+  the update alone."""
+  return sorted(
+    (
+      r
+      for r in results.values()
+      if _on_gpu(r) == gpu and f"ratio_vs_{base}" in r
+    ),
+    key=lambda r: (
+      r["what"].startswith("optimizer"),
+      r["batch"],
+      "tiny-cond" in r["median_ms"],  # the --study rows after the others
+    ),
+  )
+
+
+def _versus_plain(r: dict) -> list[str]:
+  m, q = r["median_ms"], r["ratio_vs_plain"]
+  f = "{:.3f}" if _on_gpu(r) else "{:.1f}"
+  return [
+    f.format(m["plain"]),
+    f"{f.format(m['skip-only'])} ({md.ratio(q['skip-only'])})",
+    f"**{f.format(m['ours'])} ({md.ratio(q['ours'])})**",
+    f"{f.format(m['jmp-style'])} ({md.ratio(q['jmp-style'])})",
+  ]
+
+
+def table(results: dict) -> str:
+  """CPU: ours, skip-only and jmp-style against plain optax, the `--study`
+  row, and the verdict at the largest batch."""
+  rows = _rows(results, gpu=False, base="plain")
+  main = [r for r in rows if "tiny-cond" not in r["median_ms"]]
+  if not main:
+    return md.not_measured("benchmarks/overhead.py on CPU")
+  out = [
+    f"Model: an MLP of {main[0]['params']:,} float32 params (CPU).",
+    "",
+    md.table(
+      [
+        "step (median ms, ratio vs plain)",
+        "plain",
+        "skip-only",
+        "**ours**",
+        "jmp-style",
+        "ours / skip-only",
+      ],
+      [
+        [_label(r), *_versus_plain(r)]
+        + [
+          md.ratio(
+            r["ratio_vs_plain"]["ours"] / r["ratio_vs_plain"]["skip-only"]
+          )
+        ]
+        for r in main
+      ],
+    ),
+    "",
+  ]
+  for s in (r for r in rows if "tiny-cond" in r["median_ms"]):
+    names = list(s["median_ms"])
+    out += [
+      f"`--study` (batch {s['batch']}): where the cost of skipping sits.",
+      "",
+      md.table(
+        names,
+        [
+          [
+            f"{s['median_ms'][n]:.1f} ms ({md.ratio(s['ratio_vs_plain'][n])})"
+            for n in names
+          ]
+        ],
+      ),
+      "",
+    ]
+  full = [r for r in main if not r["what"].startswith("optimizer")]
+  update = [r for r in main if r["what"].startswith("optimizer")]
+  if full:
+    big = full[-1]
+    q = big["ratio_vs_plain"]["ours"]
+    worst = max(
+      r["ratio_vs_plain"]["ours"] / r["ratio_vs_plain"]["skip-only"]
+      for r in full
+    )
+    line = (
+      "Goal (issue 2): ours at most 1.02x the plain step. At the largest"
+      f" batch ({big['batch']}): {md.ratio(q)}, goal {md.verdict(q <= 1.02)}."
+      f" Ours is at most {md.ratio(worst)} of skip-only in the full steps"
+    )
+    if update:
+      line += (
+        f", and {md.ratio(update[0]['ratio_vs_plain']['ours'])} of plain adam"
+        " in the update alone"
+      )
+    out.append(line + ".")
+  return "\n".join(out).rstrip()
+
+
+def masters_table(results: dict) -> str:
+  """bf16 params with float32 masters: ours against masters kept by hand,
+  on every machine with results."""
+  rows = [
+    [
+      _label(r),
+      "GPU" if gpu else "CPU",
+      f"{r['median_ms']['hand-masters']:.3f}",
+      f"**{r['median_ms']['ours']:.3f}"
+      f" ({md.ratio(r['ratio_vs_hand-masters']['ours'])})**",
+    ]
+    for gpu in (False, True)
+    for r in _rows(results, gpu, base="hand-masters")
+  ]
+  if not rows:
+    return md.not_measured("benchmarks/overhead.py --bf16-params")
+  return md.table(
+    [
+      "step (median ms, ratio vs hand-masters)",
+      "machine",
+      "hand-masters",
+      "**ours**",
+    ],
+    rows,
+  )
+
+
+def gpu_table(results: dict) -> str:
+  """The CPU table's steps on a GPU, the `--study` rows in one column, and
+  the verdict for the full step."""
+  rows = _rows(results, gpu=True, base="plain")
+  full = [
+    r
+    for r in rows
+    if r["what"].startswith("full") and "tiny-cond" not in r["median_ms"]
+  ]
+  if not full:
+    return md.not_measured("benchmarks/overhead.py on a GPU")
+  first = full[0]
+  body = []
+  for r in rows:
+    m, q = r["median_ms"], r["ratio_vs_plain"]
+    label, study = _label(r), ""
+    if "tiny-cond" in m:
+      label += " (`--study`)"
+      study = ", ".join(
+        f"{n} {m[n]:.3f} ({md.ratio(q[n])})"
+        for n in ("tiny-cond", "select-skip")
+      )
+    body.append([label, *_versus_plain(r), study])
+  skips = [
+    abs(r["ratio_vs_plain"][n] - 1)
+    for r in rows
+    if r["what"].startswith("full")
+    for n in ("skip-only", "tiny-cond", "select-skip")
+    if n in r["ratio_vs_plain"]
+  ]
+  q = first["ratio_vs_plain"]["ours"]
+  extra_us = 1e3 * (first["median_ms"]["ours"] - first["median_ms"]["plain"])
+  update = [r for r in rows if r["what"].startswith("optimizer")]
+  line = (
+    f"The skip alone (skip-only, and tiny-cond and select-skip with"
+    f" `--study`) stays within {100 * max(skips):.1f}% of plain; ours is"
+    f" {md.ratio(q)} of plain in the full step, about {extra_us:.0f} us per step"
+  )
+  if update:
+    line += f", and {md.ratio(update[0]['ratio_vs_plain']['ours'])} in the update alone"
+  return "\n".join(
+    [
+      f"{first['device'].split(',')[0]}, `benchmarks/overhead.py --batch"
+      f" {first['batch']} --steps {first['rounds']}` (and `--update-only`,"
+      " `--study`).",
+      "",
+      md.table(
+        [
+          "step (median ms, ratio vs plain)",
+          "plain",
+          "skip-only",
+          "**ours**",
+          "jmp-style",
+          "study rows",
+        ],
+        body,
+      ),
+      "",
+      line + ".",
+      "",
+      f"Goal (issue 2), GPU, this MLP: {md.ratio(q)}, {md.verdict(q <= 1.02)}.",
+    ]
+  )
 
 
 def main(argv=None):

@@ -116,13 +116,15 @@ def main(argv=None):
   if args.max_steps is not None:
     total_steps = min(total_steps, args.max_steps)
 
-  # Model and optimizer from the preset.
+  # Model and optimizer from the preset. A dynamic loss scale keeps the
+  # preset's settings but starts at --init-scale and grows every
+  # --growth-interval finite steps.
   preset = jmp_train.get_preset(args.preset)
-  loss_scale = preset.loss_scale
-  if isinstance(loss_scale, jmp_train.DynamicLossScale):
-    loss_scale = jmp_train.dynamic_loss_scale(
-      init_scale=args.init_scale, growth_interval=args.growth_interval
+  if isinstance(preset.loss_scale, jmp_train.DynamicLossScale):
+    loss_scale = dataclasses.replace(
+      preset.loss_scale, loss_scale=args.init_scale, period=args.growth_interval
     )
+    preset = dataclasses.replace(preset, loss_scale=loss_scale)
   recipe = preset.fp8
   if recipe is not None and args.fp8_history is not None:
     recipe = dataclasses.replace(recipe, amax_history_len=args.fp8_history)
@@ -141,8 +143,8 @@ def main(argv=None):
   schedule = optax.cosine_decay_schedule(args.lr, total_steps)
   tx = jmp_train.mixed_precision(
     optax.adamw(schedule, weight_decay=args.weight_decay),
-    loss_scale=loss_scale,
-    master_weights=preset.master_weights,
+    loss_scale=preset.loss_scale,
+    param_update=preset.param_update,
   )
   opt_state = tx.init(params)
   initial_scale = float(jmp_train.current_loss_scale(opt_state))

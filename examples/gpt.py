@@ -8,45 +8,42 @@
 
 The text is the .py files next to the `os` module (Python's own library), read
 as ASCII: it exists on every machine with Python, so nothing is downloaded.
+The model is `gpt_model.GPT` (next to this file): a pre-norm transformer whose
+attention softmax, LayerNorms and loss run in float32 whatever the compute
+dtype.
+
+On one device the train step below is written out: scale the loss, take
+`jax.grad`, hand the scaled gradients to `tx.update` (which unscales them,
+skips the step if any is not finite and adjusts the loss scale), then
+`optax.apply_updates`. `--accum` and `--zero1` use the library's step
+instead (`jmp_train.train.make_train_step`), which does the same per
+micro-batch and device, and with `--zero1` splits the optimizer state and
+the float32 master weights over 8 devices.
+
 Writes runs/gpt-<preset>/metrics-<preset>.json and curves.png (with --compare:
 runs/gpt-compare/, one metrics file per preset and one chart).
-
-The model is a pre-norm transformer with causal self-attention whose softmax
-runs in float32 whatever the compute dtype; LayerNorm params and compute stay
-float32 (the wrapper's defaults) and the loss is computed in float32.
 """
 
+import argparse
+import dataclasses
+import functools
+import json
 import os
-import sys
+import pathlib
+import time
 
-if "--zero1" in sys.argv and "jax" not in sys.modules:
-  # The virtual-device mesh must exist before jax initialises its backend.
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  )
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from gpt_model import GPT, VOCAB, cross_entropy
+from matplotlib.figure import Figure
+from tqdm import tqdm
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import time  # noqa: E402
+import jmp_train
+from jmp_train import monitor, train, zero1
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import jmp_train  # noqa: E402
-from jmp_train import monitor, sharding  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-VOCAB = 128  # ASCII
+ZERO1_DEVICES = 8
 
 
 def parse_args(argv=None):
@@ -68,7 +65,11 @@ def parse_args(argv=None):
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--warmup", type=int, default=30)
-  p.add_argument("--zero1", action="store_true", help="ZeRO-1 on 8 devices")
+  p.add_argument(
+    "--zero1",
+    action="store_true",
+    help=f"ZeRO-1 on {ZERO1_DEVICES} devices (virtual CPU devices on a CPU)",
+  )
   p.add_argument(
     "--accum", type=int, default=1, help="micro-batches per step (float32)"
   )
@@ -76,7 +77,10 @@ def parse_args(argv=None):
     "--fp8", action="store_true", help="FP8 matmuls (delayed scaling)"
   )
   p.add_argument(
-    "--init-scale", type=float, default=2.0**15, help="initial loss scale"
+    "--init-scale",
+    type=float,
+    default=2.0**15,
+    help="initial loss scale (presets with a dynamic one)",
   )
   p.add_argument(
     "--growth-interval",
@@ -84,13 +88,24 @@ def parse_args(argv=None):
     default=50,
     help="finite steps between loss-scale growths (short, to show it work)",
   )
-  p.add_argument("--eval-every", type=int, default=25)
+  p.add_argument(
+    "--eval-every",
+    type=int,
+    default=25,
+    help="steps between validation losses (and metric fetches)",
+  )
   p.add_argument(
     "--text-bytes", type=int, default=2_000_000, help="corpus size"
   )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="output folder")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  presets = args.compare.split(",") if args.compare else [args.preset]
+  for name in presets:
+    if name not in jmp_train.PRESETS:
+      p.error(f"unknown preset {name!r}; known: {', '.join(jmp_train.PRESETS)}")
+  args.presets = presets
+  return args
 
 
 def load_text(max_bytes: int) -> np.ndarray:
@@ -107,96 +122,39 @@ def load_text(max_bytes: int) -> np.ndarray:
   return np.where(codes < VOCAB, codes, ord("?")).astype(np.uint8)
 
 
-class CausalSelfAttention(nn.Module):
-  heads: int
-  fused: bool = False  # jax.nn.dot_product_attention (cuDNN flash on GPU)
+def run_preset(args, preset_name, text, out_dir):
+  """One training run; returns its summary (also in metrics-<preset>.json)."""
+  split = int(0.9 * len(text))
+  train_text, val_text = text[:split], text[split:]
+  rng = np.random.default_rng(args.seed)  # the same batches for every preset
 
-  @nn.compact
-  def __call__(self, x):
-    batch, seq, d = x.shape
-    head_dim = d // self.heads
-    qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if self.fused:  # the kernels keep softmax statistics in float32
-      # cuDNN flash attention takes bf16/fp16 on GPUs; JAX's default (None)
-      # is its XLA implementation, which materializes the T x T scores.
-      cudnn = jax.default_backend() == "gpu" and q.dtype in (
-        jnp.bfloat16,
-        jnp.float16,
-      )
-      y = jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn" if cudnn else None
-      )
-      return nn.Dense(d, name="proj")(y.reshape(batch, seq, d))
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))
-    # Softmax in float32, whatever the compute dtype (the ANCHORS trap).
-    logits = jnp.where(causal, logits.astype(jnp.float32), -1e30)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    y = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, d)
-    return nn.Dense(d, name="proj")(y)
+  def windows(source, n):
+    """n random windows of seq_len + 1 characters: inputs and targets."""
+    starts = rng.integers(0, len(source) - args.seq_len - 1, n)
+    return np.stack([source[s : s + args.seq_len + 1] for s in starts])
 
+  val_batches = np.stack([windows(val_text, args.batch_size) for _ in range(4)])
 
-class Block(nn.Module):
-  heads: int
-  fused: bool = False
-
-  @nn.compact
-  def __call__(self, x):
-    d = x.shape[-1]
-    attn = CausalSelfAttention(self.heads, self.fused, name="attn")
-    x = x + attn(nn.LayerNorm()(x))
-    h = nn.gelu(nn.Dense(4 * d, name="fc")(nn.LayerNorm()(x)))
-    return x + nn.Dense(d, name="out")(h)
-
-
-class GPT(nn.Module):
-  """GPT-2's layout; `tied=True` reads logits off the token embedding."""
-
-  layers: int
-  d_model: int
-  heads: int
-  seq_len: int
-  vocab: int = VOCAB
-  tied: bool = False
-  fused_attention: bool = False
-
-  @nn.compact
-  def __call__(self, tokens):
-    embed = nn.Embed(self.vocab, self.d_model, name="embed")
-    pos = self.param(
-      "pos", nn.initializers.normal(0.02), (self.seq_len, self.d_model)
-    )
-    x = embed(tokens) + pos[: tokens.shape[1]]
-    for i in range(self.layers):
-      x = Block(self.heads, self.fused_attention, name=f"block{i}")(x)
-    x = nn.LayerNorm(name="ln_f")(x)
-    if self.tied:
-      return embed.attend(x)
-    return nn.Dense(self.vocab, name="head")(x)
-
-
-def cross_entropy(logits, targets):
-  logits = logits.astype(jnp.float32)  # the loss in float32
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def train(args, preset_name, text, out_dir):
-  """One run; returns its summary (also in out_dir/metrics-<preset>.json)."""
+  # Model and optimizer, from the preset.
   preset = jmp_train.get_preset(preset_name)
-  loss_scale = preset.loss_scale
-  if isinstance(loss_scale, jmp_train.DynamicLossScale):
-    loss_scale = jmp_train.dynamic_loss_scale(
-      init_scale=args.init_scale, growth_interval=args.growth_interval
+  if isinstance(preset.loss_scale, jmp_train.DynamicLossScale):
+    # The preset's dynamic scale, starting at --init-scale and growing every
+    # --growth-interval finite steps.
+    loss_scale = dataclasses.replace(
+      preset.loss_scale, loss_scale=args.init_scale, period=args.growth_interval
     )
-  recipe = preset.fp8 or (jmp_train.fp8.Fp8Recipe() if args.fp8 else None)
+    preset = dataclasses.replace(preset, loss_scale=loss_scale)
+  if args.fp8 and preset.fp8 is None:
+    preset = dataclasses.replace(preset, fp8=jmp_train.fp8.Fp8Recipe())
+  # Every matmul but the output head in FP8 (with --fp8 or an fp8 preset).
   model = jmp_train.linen.wrap(
     GPT(args.layers, args.d_model, args.heads, args.seq_len),
     preset.policy,
-    fp8=recipe,
+    fp8=preset.fp8,
     fp8_exclude=("head",),
   )
-  variables = model.init(
+  # Under jit: one compilation instead of one per initializer op.
+  variables = jax.jit(model.init)(
     jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32)
   )
   schedule = optax.warmup_cosine_decay_schedule(
@@ -206,58 +164,111 @@ def train(args, preset_name, text, out_dir):
     args.steps,
     end_value=args.lr / 10,
   )
-  tx = jmp_train.mixed_precision(
+  tx = preset.mixed_precision(
     optax.chain(
       optax.clip_by_global_norm(1.0),
       optax.adamw(schedule, b2=0.95, weight_decay=0.1),
-    ),
-    loss_scale=loss_scale,
-    master_weights=preset.master_weights,
+    )
   )
 
-  def loss_fn(variables, batch):
-    logits = model.apply(variables, batch[:, :-1])
-    return cross_entropy(logits, batch[:, 1:])
-
-  devices = jax.devices()[: 8 if args.zero1 else 1]
-  if args.zero1 and len(devices) < 8:
-    raise SystemExit("--zero1 needs 8 devices (run it as a script)")
-  mesh = jax.make_mesh(
-    (len(devices),),
-    ("data",),
-    axis_types=(jax.sharding.AxisType.Auto,),
-    devices=devices,
+  # Where the state lives: one device, or with --zero1 a plan that splits
+  # the optimizer state and the float32 masters over 8 devices.
+  plan = None
+  if args.zero1:
+    devices = jax.devices()
+    if len(devices) < ZERO1_DEVICES:
+      raise SystemExit(
+        f"--zero1 needs {ZERO1_DEVICES} devices, JAX has {len(devices)}."
+      )
+    mesh = jax.make_mesh(
+      (ZERO1_DEVICES,),
+      ("data",),
+      axis_types=(jax.sharding.AxisType.Auto,),
+      devices=devices[:ZERO1_DEVICES],
+    )
+    plan = zero1.make_plan(tx, variables["params"], mesh)
+  state = train.TrainState.create(
+    params=variables["params"],
+    tx=tx,
+    fp8=variables.get("fp8_meta"),  # FP8 metadata is not a param
+    plan=plan,
   )
-  step = sharding.make_train_step(
-    loss_fn, tx, mesh=mesh, accum_steps=args.accum
+
+  # The train step.
+  if plan is None and args.accum == 1:
+    # Written out: what every mixed-precision step does.
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, batch):
+      def scaled_loss(params, fp8_meta):
+        variables = {"params": params, "fp8_meta": fp8_meta}
+        logits = model.apply(variables, batch[:, :-1])
+        loss = cross_entropy(logits, batch[:, 1:])
+        return loss * jmp_train.current_loss_scale(state.opt_state), loss
+
+      # Gradients of the scaled loss; the FP8 metadata's "gradients" are
+      # this step's amaxes.
+      (grads, fp8_grads), loss = jax.grad(
+        scaled_loss, argnums=(0, 1), has_aux=True
+      )(state.params, state.fp8)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      metrics = {"loss": loss, **jmp_train.train_metrics(opt_state)}
+      # A skipped step keeps the FP8 scales too.
+      fp8_meta = jmp_train.fp8.update(
+        state.fp8, fp8_grads, finite=metrics["last_step_finite"]
+      )
+      state = state.replace(
+        step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8_meta
+      )
+      return state, metrics
+
+  else:
+    # The library's step does the same per micro-batch (gradients summed in
+    # float32) and per device (reduce-scattered to the ZeRO-1 shards).
+    def loss_fn(params, batch, model_state, key):
+      # model_state holds the FP8 metadata ("fp8_meta") when there is some.
+      logits = model.apply({"params": params, **model_state}, batch[:, :-1])
+      return cross_entropy(logits, batch[:, 1:])
+
+    train_step = train.make_train_step(
+      loss_fn, tx, plan=plan, accum_steps=args.accum
+    )
+
+  if plan is None:
+    put = jnp.asarray
+  else:  # each device gets its rows of the batch
+    put = functools.partial(jax.device_put, device=plan.batch_sharding)
+
+  @jax.jit
+  def val_loss(state, batches):
+    def one(batch):
+      variables = {"params": state.params, "fp8_meta": state.fp8}
+      return cross_entropy(model.apply(variables, batch[:, :-1]), batch[:, 1:])
+
+    return jnp.mean(jax.lax.map(one, batches))
+
+  # A host warning when the loss scale keeps falling; no sync otherwise.
+  alarm = jax.jit(
+    lambda opt_state: jnp.any(
+      jnp.stack(list(monitor.warn_loss_scale(opt_state).values()))
+    )
   )
-  params, opt_state = step.init(variables)
-  alarms_fn = jax.jit(monitor.warn_loss_scale)
-  eval_loss = jax.jit(loss_fn)
 
-  split = int(0.9 * len(text))
-  train_text, val_text = text[:split], text[split:]
-  rng = np.random.default_rng(args.seed)
-
-  def windows(source, n):
-    starts = rng.integers(0, len(source) - args.seq_len - 1, n)
-    return np.stack([source[s : s + args.seq_len + 1] for s in starts])
-
-  val_batches = [
-    jnp.asarray(windows(val_text, args.batch_size), jnp.int32) for _ in range(4)
-  ]
-  initial_scale = float(jmp_train.current_loss_scale(opt_state))
-  history, evals = [], []
+  # The loop. Metrics stay on the device until an evaluation fetches them.
+  initial_scale = float(jmp_train.current_loss_scale(state.opt_state))
+  history, evals, pending = [], [], []
   start = time.perf_counter()
   bar = tqdm(range(args.steps), desc=f"gpt {preset_name}", unit="step")
   for i in bar:
-    batch = jnp.asarray(windows(train_text, args.batch_size), jnp.int32)
-    params, opt_state, metrics = step(params, opt_state, batch)
-    metrics["alarm"] = jnp.any(jnp.stack(list(alarms_fn(opt_state).values())))
-    history.append({k: v.item() for k, v in jax.device_get(metrics).items()})
+    state, metrics = train_step(
+      state, put(windows(train_text, args.batch_size))
+    )
+    pending.append({**metrics, "alarm": alarm(state.opt_state)})
     if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
-      val = float(np.mean([eval_loss(params, b) for b in val_batches]))
-      evals.append({"step": i + 1, "val_loss": val})
+      pending, val = jax.device_get((pending, val_loss(state, val_batches)))
+      history += [{k: v.item() for k, v in m.items()} for m in pending]
+      pending = []
+      evals.append({"step": i + 1, "val_loss": float(val)})
       bar.set_postfix(
         loss=f"{history[-1]['loss']:.3f}",
         val=f"{val:.3f}",
@@ -265,22 +276,22 @@ def train(args, preset_name, text, out_dir):
       )
   seconds = time.perf_counter() - start
 
-  final = jmp_train.train_metrics(opt_state)
+  # Outputs.
   summary = {
     "preset": preset_name,
     "policy": str(preset.policy),
-    "fp8": dataclasses.asdict(recipe) if recipe else None,
-    "config": vars(args),
-    "devices": len(devices),
+    "fp8": dataclasses.asdict(preset.fp8) if preset.fp8 else None,
+    "config": {k: v for k, v in vars(args).items() if k != "presets"},
+    "devices": plan.num_shards if plan else 1,
     "steps": args.steps,
     "seconds": round(seconds, 2),
     "first_loss": history[0]["loss"],
     "final_val_loss": evals[-1]["val_loss"],
-    "skipped_steps": int(final["skipped_steps"]),
-    "final_loss_scale": float(final["loss_scale"]),
+    "skipped_steps": history[-1]["skipped_steps"],
+    "final_loss_scale": history[-1]["loss_scale"],
     "initial_loss_scale": initial_scale,
     "param_dtypes": sorted(
-      {str(p.dtype) for p in jax.tree.leaves(params["params"])}
+      {str(p.dtype) for p in jax.tree.leaves(state.params)}
     ),
     "evals": evals,
     "history": history,
@@ -306,11 +317,12 @@ def _smooth(xs, window=10):
 
 def plot(runs, path, title):
   """Train loss (moving average) and val loss; val differences; loss scales."""
-  fig, (ax1, ax2, ax3) = plt.subplots(
-    3, 1, figsize=(8, 8), sharex=True, height_ratios=(3, 1.3, 1.3)
+  fig = Figure(figsize=(8, 8))
+  ax1, ax2, ax3 = fig.subplots(
+    3, 1, sharex=True, gridspec_kw={"height_ratios": (3, 1.3, 1.3)}
   )
   styles = ["-", "--", ":", "-."]
-  base = run0 = runs[0]
+  base = runs[0]
   for n, run in enumerate(runs):
     h, style = run["history"], styles[n % len(styles)]
     smooth = _smooth([r["loss"] for r in h])
@@ -352,32 +364,29 @@ def plot(runs, path, title):
   ax1.set_title(title, fontsize=10)
   ax1.legend()
   ax2.axhline(0, color="grey", lw=0.5)
-  ax2.set_ylabel(f"val loss minus\n{run0['preset']}'s")
+  ax2.set_ylabel(f"val loss minus\n{base['preset']}'s")
   ax3.set_yscale("log", base=2)
   ax3.set_xlabel("step")
   ax3.set_ylabel("loss scale")
   ax3.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.zero1:
+    # On a CPU, ZeRO-1's devices are virtual; JAX makes them when it starts,
+    # so this comes before anything runs (GPUs and TPUs are what they are).
+    jax.config.update("jax_num_cpu_devices", ZERO1_DEVICES)
   text = load_text(args.text_bytes)
-  presets = args.compare.split(",") if args.compare else [args.preset]
-  for name in presets:
-    if name not in jmp_train.PRESETS:
-      raise SystemExit(
-        f"unknown preset {name!r}; known: {', '.join(jmp_train.PRESETS)}"
-      )
   out_dir = pathlib.Path(args.out) / (
     "gpt-compare" if args.compare else f"gpt-{args.preset}"
   )
-  runs = [train(args, name, text, out_dir) for name in presets]
+  runs = [run_preset(args, name, text, out_dir) for name in args.presets]
   mode = []
   if args.zero1:
-    mode.append("ZeRO-1 x8")
+    mode.append(f"ZeRO-1 x{ZERO1_DEVICES}")
   if args.accum > 1:
     mode.append(f"accum {args.accum}")
   if args.fp8:

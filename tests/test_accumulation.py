@@ -9,16 +9,18 @@ import pytest
 from jax.sharding import AxisType
 
 import jmp_train as jmp
-from jmp_train import accumulation, sharding
+from jmp_train import sharding
 
 
 def test_accumulated_grads_equal_big_batch_grads():
+  # The reference is plain jax.grad of the mean loss over the whole batch:
+  # equal micro-batches make the mean of their mean losses that same mean.
   params = _models.init_params(jnp.float32)
   batch = _models.batches(1, batch=16)[0]
-  accumulate = jax.jit(accumulation.accumulate_gradients, static_argnums=(0, 3))
-  ref_loss, ref = accumulate(_models.loss_fn, params, batch, 1)
-  for k in (4,):  # a scan over 3 micro-batches after the first
-    loss, grads = accumulate(_models.loss_fn, params, batch, k, loss_scale=8.0)
+  ref_loss, ref = jax.jit(jax.value_and_grad(_models.loss))(params, batch)
+  accumulate = jax.jit(jmp.accumulate_gradients, static_argnums=(0, 3))
+  for k in (1, 4):  # no buffer; a scan over 3 micro-batches after the first
+    loss, grads = accumulate(_models.loss, params, batch, k, loss_scale=8.0)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
       # Gradients of the scaled loss: 8 x, exactly a power of two.
@@ -31,7 +33,7 @@ def test_buffer_is_float32_for_bf16_params():
 
   def grads(k):
     return jax.eval_shape(
-      lambda p, b: accumulation.accumulate_gradients(_models.loss_fn, p, b, k),
+      lambda p, b: jmp.accumulate_gradients(_models.loss, p, b, k),
       params,
       batch,
     )[1]
@@ -50,7 +52,7 @@ def test_float32_buffer_beats_a_bf16_buffer():
   params = {"w": jnp.ones((), jnp.bfloat16)}
   x = jnp.bfloat16(1.1)
   batch = jnp.full((256,), x, jnp.float32)
-  _, grads = accumulation.accumulate_gradients(loss_fn, params, batch, 256)
+  _, grads = jmp.accumulate_gradients(loss_fn, params, batch, 256)
   np.testing.assert_allclose(np.float64(grads["w"]), np.float64(x), rtol=1e-7)
   bf16_sum = jnp.bfloat16(0)
   for _ in range(256):
@@ -63,11 +65,9 @@ def test_rejects_bad_accum_steps_and_batches():
   with pytest.raises(
     ValueError, match="accum_steps must be an int >= 1, got 0"
   ):
-    accumulation.accumulate_gradients(lambda p, b: 0.0, params, jnp.ones(4), 0)
+    jmp.accumulate_gradients(lambda p, b: 0.0, params, jnp.ones(4), 0)
   with pytest.raises(ValueError, match="divisible by accum_steps=3"):
-    accumulation.accumulate_gradients(
-      lambda p, b: jnp.sum(b), params, jnp.ones(4), 3
-    )
+    jmp.accumulate_gradients(lambda p, b: jnp.sum(b), params, jnp.ones(4), 3)
 
 
 def test_rejects_integer_losses_and_bad_loss_scales():
@@ -75,11 +75,11 @@ def test_rejects_integer_losses_and_bad_loss_scales():
   int_loss = lambda p, b: jnp.sum(b @ p["w"]).astype(jnp.int32)  # noqa: E731
   for k in (1, 2):  # its gradient would be silently zero
     with pytest.raises(TypeError, match=r"real floating-point scalar.*int32"):
-      accumulation.accumulate_gradients(int_loss, params, batch, k)
+      jmp.accumulate_gradients(int_loss, params, batch, k)
   loss = lambda p, b: jnp.mean(b @ p["w"])  # noqa: E731
   for bad in ("x", None, jnp.ones(2), True):
     with pytest.raises(TypeError, match="loss_scale must be a real scalar"):
-      accumulation.accumulate_gradients(loss, params, batch, 2, loss_scale=bad)
+      jmp.accumulate_gradients(loss, params, batch, 2, loss_scale=bad)
 
 
 def test_complex_params_get_their_gradients():
@@ -95,7 +95,7 @@ def test_complex_params_get_their_gradients():
 
   ref = jax.grad(loss, allow_int=True)(params, batch)["z"]  # plain JAX
   for k in (1, 4):
-    _, grads = accumulation.accumulate_gradients(loss, params, batch, k)
+    _, grads = jmp.accumulate_gradients(loss, params, batch, k)
     assert grads["z"].dtype == jnp.complex64
     np.testing.assert_allclose(grads["z"], ref, rtol=1e-5)
     assert int(grads["n"]) == 0

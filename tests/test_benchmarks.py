@@ -1,69 +1,135 @@
 """The benchmarks run on tiny configs, and BENCHMARKS.md is the suite's output."""
 
+import importlib
 import json
 import pathlib
-import runpy
+import re
+import sys
+
+import pytest
+
+# The benchmark scripts import as modules, as they do beside each other.
+sys.path.insert(
+  0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+)
+
+import compile_time
+import fp8
+import gpt2
+import gpt_compare
+import overhead
+import suite
+import zero1
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 
-def load(relpath):
-  return runpy.run_path(str(ROOT / relpath), run_name="not_main")
+def saved_results():
+  results = {p.stem: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
+  env = results.pop("environment")
+  return results, env, results.pop("environment-gpu", None)
 
 
 def test_benchmarks_md_is_the_suite_rendering_of_the_saved_results(tmp_path):
-  suite = load("benchmarks/suite.py")
   out = tmp_path / "BENCHMARKS.md"
-  results = suite["main"](
-    [
-      "--render",
-      "--json-dir",
-      str(ROOT / "benchmarks" / "results"),
-      "--out",
-      str(out),
-    ]
+  results = suite.main(
+    ["--render", "--json-dir", str(RESULTS), "--out", str(out)]
   )
   assert out.read_text() == (ROOT / "BENCHMARKS.md").read_text()
-  for job in ("overhead-64", "overhead-1024", "compile", "zero1", "fp8", "gpt"):
-    assert job in results
+  # Every saved result belongs to a job, and every marker was filled in.
+  assert all(suite.script_of(name) for name in results)
   page = out.read_text()
-  for heading in (
-    "Step-time overhead",
-    "Compile time",
-    "ZeRO-1",
-    "FP8",
-    "GPT-2",
-  ):
+  assert "<!-- table:" not in page and "<!-- machines -->" not in page
+  for heading in ("Step-time overhead", "Compile time", "ZeRO-1", "FP8"):
     assert f"## {heading}" in page
+  assert "## GPT-2 small" in page
+
+
+def test_every_marker_names_a_table_of_its_script():
+  markers = suite.TABLE.findall(suite.PAGE.read_text())
+  assert len(markers) >= 10
+  scripts = {suite.script_of(n) for n in suite.CPU_JOBS | suite.GPU_JOBS}
+  for module, function in markers:
+    assert module in scripts, module
+    assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_tables_without_results_say_not_measured():
+  for module, function in suite.TABLE.findall(suite.PAGE.read_text()):
+    text = getattr(importlib.import_module(module), function)({})
+    assert text.startswith("Not measured"), (module, function)
 
 
 def test_gpu_results_render_beside_cpu_ones():
-  suite = load("benchmarks/suite.py")
-  results = {
-    p.stem: json.loads(p.read_text())
-    for p in (ROOT / "benchmarks" / "results").glob("*.json")
-  }
-  env = results.pop("environment")
-  gpu_env = results.pop("environment-gpu", None) or dict(
-    env, gpu="H100", note=""
-  )
-  gpu_jobs = set(suite["jobs"](False, True))
-  assert gpu_jobs.isdisjoint(suite["jobs"](False, False))
+  results, env, gpu_env = saved_results()
+  gpu_jobs = set(suite.jobs(False, True))
+  assert gpu_jobs.isdisjoint(suite.jobs(False, False))
   cpu_only = {k: v for k, v in results.items() if k not in gpu_jobs}
-  without = suite["render"](cpu_only, env, None, False)
-  assert "none lent" in without and "### On a GPU" not in without
-  if not gpu_jobs <= set(results):
-    return  # no GPU results saved: the rest needs them
-  page = suite["render"](results, env, gpu_env, False)
-  assert "### On a GPU" in page and "GPU machine: " + gpu_env["gpu"] in page
+  without = suite.render(cpu_only, env, None, False)
+  assert "GPU machine: none lent" in without
+  for table in (gpt2.table, fp8.matmul_table, overhead.gpu_table):
+    assert table({}) in without
+  saved_gpu = gpu_jobs & set(results)
+  if not {"gpt2", "overhead-gpu", "fp8-matmul"} <= saved_gpu:
+    pytest.skip("no GPU results saved in benchmarks/results")
+  page = suite.render(results, env, gpu_env, False)
+  assert "GPU machine: " + gpu_env["gpu"] in page
   (mixed,) = [r for r in results["gpt2"]["rows"] if r["step"] == "bf16-mixed"]
-  mfu = mixed["mfu"]
-  assert f"{100 * mfu:.1f}%" in page
+  assert f"Goal (bf16-mixed >= 45% MFU): {100 * mixed['mfu']:.1f}%" in page
 
 
-def test_overhead_benchmark_runs(capsys):
-  main = load("benchmarks/overhead.py")["main"]
-  result = main(
+def verdict(text, goal):
+  """The verdict of the sentence that states `goal` in a table's text."""
+  (sentence,) = [s for s in text.split("\n") if goal in s]
+  return re.search(r"\*\*(met|not met)\*\*", sentence)[1]
+
+
+def test_verdicts_are_computed_from_the_numbers():
+  compile_row = {
+    "step": "ours-fp16",
+    "trace_lower_s": 1.0,
+    "compile_s": 1.0,
+    "total_s": 2.0,
+    "ratio_vs_plain": 1.5,
+  }
+  for hand, want in ((1.19, "met"), (1.21, "not met")):
+    result = {
+      "model": "GPT",
+      "rounds": 1,
+      "device": "cpu",
+      "rows": [dict(compile_row, ratio_vs_hand=hand)],
+    }
+    assert verdict(compile_time.table({"c": result}), "Goal") == want
+  for mfu, want in ((0.46, "met"), (0.44, "not met")):
+    row = dict(step="bf16-mixed", ms=1.0, steps_per_s=1.0, tokens_per_s=1)
+    row.update(tflops=1.0, mfu=mfu, ratio_vs_plain=1.0)
+    result = {
+      "model": "GPT",
+      "device": "H100",
+      "peak_bf16_tflops": 989.4,
+      "batch": 16,
+      "rows": [row],
+    }
+    assert verdict(gpt2.table({"gpt2": result}), "45% MFU") == want
+  for fp8_acc, want in ((0.975, "met"), (0.965, "not met")):
+    result = {"accuracy": [{"model": "mlp", "bf16": 0.98, "fp8": fp8_acc}]}
+    assert verdict(fp8.accuracy_table({"fp8": result}), "Goal") == want
+  results, _, _ = saved_results()
+  z = results["zero1"]
+  assert verdict(zero1.bytes_table({"zero1": z}), "Goal") == "met"
+  worse = dict(
+    z,
+    memory=[
+      dict(m, total_bytes_per_param=1.02 * m["formula_total"])
+      for m in z["memory"]
+    ],
+  )
+  assert verdict(zero1.bytes_table({"zero1": worse}), "Goal") == "not met"
+
+
+def test_overhead_benchmark_runs_and_renders(capsys):
+  result = overhead.main(
     ["--dims", "16,32,4", "--batch", "8", "--steps", "3", "--warmup", "1"]
   )
   assert set(result["ratio_vs_plain"]) == {
@@ -74,24 +140,29 @@ def test_overhead_benchmark_runs(capsys):
   }
   assert result["skipped_steps_ours"] == 0
   assert "| ours |" in capsys.readouterr().out
-  masters = main(
+  masters = overhead.main(
     ["--dims", "16,32,4", "--steps", "2", "--warmup", "1"]
     + ["--update-only", "--bf16-params"]
   )
   assert set(masters["ratio_vs_hand-masters"]) == {"hand-masters", "ours"}
   assert masters["param_dtype"] == "bfloat16"
+  results = {"overhead-64": result, "overhead-masters-update": masters}
+  assert "| full step, batch 8 |" in overhead.table(results)
+  assert "| optimizer update only | CPU |" in overhead.masters_table(results)
 
 
 def test_fp8_benchmark_runs(capsys):
-  main = load("benchmarks/fp8.py")["main"]
-  result = main(["--matmul", "--sizes", "64", "--rounds", "2", "--warmup", "1"])
+  result = fp8.main(
+    ["--matmul", "--sizes", "64", "--rounds", "2", "--warmup", "1"]
+  )
   (row,) = result["matmul"]
   assert row["n"] == 64 and row["bf16_ms"] > 0 and row["fp8_ms"] > 0
   assert "| 64 |" in capsys.readouterr().out
+  assert "at n = 64" in fp8.matmul_table({"fp8-matmul": result})
 
 
 def test_compile_time_benchmark_runs_and_renders(tmp_path):
-  result = load("benchmarks/compile_time.py")["main"](
+  result = compile_time.main(
     [
       *("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8"),
       *("--batch", "2", "--rounds", "1", "--json", str(tmp_path / "c.json")),
@@ -106,14 +177,12 @@ def test_compile_time_benchmark_runs_and_renders(tmp_path):
       not row["step"].startswith("ours")
     )
   saved = json.loads((tmp_path / "c.json").read_text())
-  section = "\n".join(
-    load("benchmarks/suite.py")["_compile"]({"compile": saved})
-  )
+  section = compile_time.table({"compile": saved})
   assert "| ours-fp16 |" in section and "Goal: at most 1.2x" in section
 
 
 def test_gpt2_benchmark_tiny_runs(capsys):
-  result = load("benchmarks/gpt2.py")["main"](
+  result = gpt2.main(
     [
       *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
       *("--steps-per-round", "1", "--warmup", "1"),
@@ -129,32 +198,40 @@ def test_gpt2_benchmark_tiny_runs(capsys):
   assert "| bf16-mixed |" in capsys.readouterr().out
 
 
-def test_suite_collects_the_gpt_example_metrics(tmp_path, monkeypatch):
-  # The GPT job writes its own metrics files under --out; the suite must find
-  # them there and save one JSON without the per-step history.
-  suite = load("benchmarks/suite.py")
+def test_gpt_compare_saves_the_runs_without_history(tmp_path, monkeypatch):
+  # The example's own run is tested in test_gpt_example; here, what the
+  # benchmark keeps of it and where the chart goes.
   calls = []
 
-  class FakeSubprocess:
-    @staticmethod
-    def run(cmd, **kwargs):
-      calls.append(cmd)
-      out = pathlib.Path(cmd[cmd.index("--out") + 1]) / "gpt-compare"
-      out.mkdir(parents=True, exist_ok=True)
-      for preset in suite["GPT_PRESETS"].split(","):
-        metrics = {"preset": preset, "history": [1, 2], "final_val_loss": 1.9}
-        (out / f"metrics-{preset}.json").write_text(json.dumps(metrics))
-      return type("Done", (), {"returncode": 0})()
+  def fake_main(argv):
+    calls.append(argv)
+    out = pathlib.Path(argv[argv.index("--out") + 1]) / "gpt-compare"
+    out.mkdir(parents=True)
+    (out / "curves.png").write_bytes(b"png")
+    config = dict(layers=1, d_model=8, steps=2, batch_size=2, seq_len=4)
+    return [
+      dict(
+        preset=p,
+        config=config,
+        history=[1, 2],
+        first_loss=5.0,
+        final_val_loss=2.0,
+        skipped_steps=0,
+        final_loss_scale=1.0,
+        seconds=1.0,
+      )
+      for p in gpt_compare.PRESETS.split(",")
+    ]
 
-  monkeypatch.setitem(
-    suite["run_job"].__globals__, "subprocess", FakeSubprocess
+  monkeypatch.setattr(gpt_compare.gpt, "main", fake_main)
+  result = gpt_compare.main(
+    ["--chart", str(tmp_path / "c.png"), "--json", str(tmp_path / "g.json")]
+    + ["--steps", "2"]
   )
-  monkeypatch.setitem(suite["run_job"].__globals__, "ROOT", tmp_path)
-  suite["run_job"]("gpt", ["examples/gpt.py", "--compare", "x"], tmp_path)
-  saved = json.loads((tmp_path / "gpt.json").read_text())
-  assert [r["preset"] for r in saved["runs"]] == suite["GPT_PRESETS"].split(",")
+  assert calls[0][:2] == ["--compare", gpt_compare.PRESETS]
+  assert calls[0][-2:] == ["--steps", "2"]  # the example's own flags pass on
+  saved = json.loads((tmp_path / "g.json").read_text())
+  assert saved == result
+  assert [r["preset"] for r in saved["runs"]] == gpt_compare.PRESETS.split(",")
   assert all("history" not in r for r in saved["runs"])
-  assert calls and calls[0][-2:] == [
-    "--out",
-    str(tmp_path / "runs" / "bench-gpt"),
-  ]
+  assert (tmp_path / "c.png").read_bytes() == b"png"

@@ -9,23 +9,25 @@ import sys
 
 import _ckpt_child
 import _models
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import AxisType
 
 import jmp_train as jmp
-from jmp_train import checkpoint, sharding
+from jmp_train import checkpoint, train, zero1
+from jmp_train._src import checkpoint_format
 
 TESTS = os.path.dirname(__file__)
+EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")  # gpt_model
 
 
 def _child(*args):
-  env = dict(
-    os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")
-  )
+  path = os.pathsep.join([TESTS, EXAMPLES, os.environ.get("PYTHONPATH", "")])
+  env = dict(os.environ, PYTHONPATH=path)
   return subprocess.run(
     [sys.executable, os.path.join(TESTS, "_ckpt_child.py"), *args],
     env=env,
@@ -43,72 +45,115 @@ def _assert_trees_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _host(state):
+  """A train state's leaves as NumPy arrays, the key as its data."""
+  if state.key is not None:
+    state = state.replace(key=jax.random.key_data(state.key))
+  return jax.tree.map(np.asarray, state)
+
+
+def _logical_opt_state(plan, params, opt_state):
+  """The optimizer state without the plan's ZeRO-1 padding."""
+  state = train.TrainState(
+    step=jnp.int32(0),
+    params=params,
+    opt_state=opt_state,
+    model_state={},
+    fp8={},
+    key=None,
+  )
+  return zero1.to_logical(plan, state).opt_state
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """10 ZeRO-1 steps on 8 devices (two skipped), saved both ways, then 10 more."""
-  step = _ckpt_child.make_step()
+  """10 ZeRO-1 steps on 8 devices (two skipped), saved as a train state with
+  master weights and as params and optimizer state without them, then 10
+  more steps."""
+  tx = _ckpt_child.make_tx()
+  plan = _ckpt_child.make_plan(tx)
+  step = _ckpt_child.make_step(tx, plan)
+  state = _ckpt_child.initial_state(tx, plan)
   data = _models.batches(20, poison_at=(4, 13))
-  params, state = step.init(_models.init_params(jnp.bfloat16))
   for batch in data[:10]:
-    params, state, _ = step(params, state, batch)
-  saved = jax.tree.map(np.asarray, (params, step.to_logical(state)))
+    state, _ = step(state, batch)
+  saved = _host(zero1.to_logical(plan, state))
   root = tmp_path_factory.mktemp("ckpt")
-  for masters in (True, False):
-    ckpt = checkpoint.Checkpointer(
-      root / f"masters={masters}", use_master_weights_in_ckpt=masters
-    )
-    ckpt.save(10, params, state, train_step=step)
-    ckpt.close()
+  with checkpoint.Checkpointer(root / "masters=True") as ckpt:
+    ckpt.save_state(state, plan=plan)
+  with checkpoint.Checkpointer(
+    root / "masters=False", use_master_weights_in_ckpt=False
+  ) as ckpt:
+    ckpt.save(10, state.params, state.opt_state, plan=plan)
   for batch in data[10:]:
-    params, state, metrics = step(params, state, batch)
-  final = jax.tree.map(np.asarray, (params, step.to_logical(state)))
+    state, metrics = step(state, batch)
   assert int(metrics["skipped_steps"]) == 2
-  return root, saved, final
+  return root, saved, _ckpt_child.snapshot(state, plan)
 
 
 def test_resume_in_a_fresh_process_is_bit_exact(trained, tmp_path):
+  # 10 steps, save_state, a fresh process restores and trains 10 more: the
+  # same bits as 20 uninterrupted steps (params, optimizer state, model
+  # state, step and key).
   root, _, final = trained
   out = tmp_path / "resumed.npz"
   result = _child("resume", str(root / "masters=True"), str(out))
   assert result.returncode == 0, result.stderr[-3000:]
   resumed = np.load(out)
-  leaves = jax.tree.leaves(final)
-  assert len(resumed.files) == len(leaves)
-  for i, leaf in enumerate(leaves):
-    np.testing.assert_array_equal(
-      resumed[f"arr_{i}"], np.asarray(leaf, np.float32)
-    )
+  assert len(resumed.files) == len(final)
+  for i, leaf in enumerate(final):
+    np.testing.assert_array_equal(resumed[f"arr_{i}"], leaf)
 
 
 @pytest.mark.parametrize("devices", [8, 4, 1])
 def test_restore_reshards_onto_other_meshes(trained, devices):
-  root, (params_saved, state_saved), _ = trained
-  mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,))
-  step = _ckpt_child.make_step()
-  step = sharding.make_train_step(step.loss_fn, step.tx, mesh=mesh)
-  template = _models.init_params(jnp.bfloat16)
+  root, saved, _ = trained
+  tx = _ckpt_child.make_tx()
+  plan = _ckpt_child.make_plan(tx, devices)
   ckpt = checkpoint.Checkpointer(root / "masters=True")
-  n, params, state = ckpt.restore(template, train_step=step)
-  assert n == 10
-  _assert_trees_equal(params, params_saved)
-  _assert_trees_equal(step.to_logical(state), state_saved)
-  for leaf in jax.tree.leaves(state):
+  state = ckpt.restore_state(_ckpt_child.state_target(tx), plan=plan)
+  assert int(state.step) == 10
+  _assert_trees_equal(_host(zero1.to_logical(plan, state)), saved)
+  for leaf in jax.tree.leaves(state.opt_state):
     if leaf.ndim:
       assert len(leaf.sharding.device_set) == devices
+  # restore() reads the same params and optimizer state, laid out alike.
+  n, params, opt_state = ckpt.restore(_ckpt_child.param_template(), plan=plan)
+  assert n == 10
+  _assert_trees_equal((params, opt_state), (state.params, state.opt_state))
+  for a, b in zip(
+    jax.tree.leaves(opt_state), jax.tree.leaves(state.opt_state), strict=True
+  ):
+    assert a.sharding == b.sharding
   # The restored state trains on the new mesh.
-  params, state, metrics = step(params, state, _models.batches(1, seed=7)[0])
+  step = _ckpt_child.make_step(tx, plan)
+  state, metrics = step(state, _models.batches(1, seed=7)[0])
   assert np.isfinite(float(metrics["loss"]))
   assert int(metrics["steps"]) == 11
 
 
+def _saved_bytes(directory, step):
+  """Bytes of the arrays of a checkpoint's params and optimizer state, from
+  orbax's metadata (sizes on disk vary with compression and layout)."""
+  total = 0
+  for item in ("params", "opt_state"):
+    path = os.path.join(directory, str(step), item)
+    tree = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+    total += sum(
+      int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize for m in tree.values()
+    )
+  return total
+
+
 def test_without_masters_rebuilds_them_by_upcasting(trained):
-  root, (params_saved, state_saved), _ = trained
-  step = _ckpt_child.make_step()
+  root, saved, _ = trained
+  tx = _ckpt_child.make_tx()
+  plan = _ckpt_child.make_plan(tx)
   ckpt = checkpoint.Checkpointer(root / "masters=False")
-  template = _models.init_params(jnp.bfloat16)
-  _, params, state = ckpt.restore(template, train_step=step)
-  _assert_trees_equal(params, params_saved)
-  logical = step.to_logical(state)
+  template = _ckpt_child.param_template()
+  _, params, opt_state = ckpt.restore(template, plan=plan)
+  _assert_trees_equal(params, saved.params)
+  logical = _logical_opt_state(plan, params, opt_state)
   for m, p in zip(
     jax.tree.leaves(logical.master_params), jax.tree.leaves(params), strict=True
   ):
@@ -117,24 +162,133 @@ def test_without_masters_rebuilds_them_by_upcasting(trained):
   # Everything else (moments, loss scale, counters) is restored exactly.
   _assert_trees_equal(
     logical._replace(master_params=None),
-    state_saved._replace(master_params=None),
+    saved.opt_state._replace(master_params=None),
+  )
+  # The saved arrays shrink by exactly the float32 masters' bytes (the
+  # train state's other items are stored apart).
+  master_bytes = sum(4 * p.size for p in jax.tree.leaves(params))
+  with_masters = _saved_bytes(root / "masters=True", 10)
+  assert with_masters - _saved_bytes(root / "masters=False", 10) == master_bytes
+  names = ocp.PyTreeCheckpointer().metadata(
+    os.path.join(root / "masters=False", "10", "opt_state")
+  )
+  assert not any("master_params" in k for k in names.item_metadata.tree)
+
+
+class _Net(nn.Module):
+  """Dense layers (FP8 under `linen.wrap(fp8=...)`), BatchNorm and dropout."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    x = nn.Dropout(0.3, deterministic=not train)(nn.relu(x))
+    return nn.Dense(4)(x)
+
+
+def test_one_device_resume_with_model_state_fp8_and_key_is_bit_exact(tmp_path):
+  model = jmp.linen.wrap(
+    _Net(), "p=bf16,c=bf16,o=f32", fp8=jmp.fp8.Fp8Recipe(amax_history_len=4)
   )
 
-  def saved_bytes(masters):
-    meta = checkpoint.Checkpointer(root / f"masters={masters}")._manager
-    meta = meta.item_metadata(10)
-    return sum(
-      int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize
-      for item in ("params", "opt_state")
-      for m in meta[item].values()
+  def loss_fn(params, batch, model_state, key):
+    y, new_state = model.apply(
+      {"params": params, **model_state},
+      batch["x"],
+      rngs={"dropout": key},
+      mutable=["batch_stats"],
+    )
+    loss = jnp.mean((y.astype(jnp.float32) - batch["y"]) ** 2)
+    return loss, (dict(new_state), {})
+
+  def fresh_tx():
+    return jmp.mixed_precision(
+      optax.adam(1e-2), loss_scale=jmp.dynamic_loss_scale(2.0**8)
     )
 
-  # The saved arrays shrink by exactly the float32 masters' bytes. (Counted
-  # from orbax's metadata: sizes on disk vary with compression and layout.)
-  master_bytes = sum(4 * p.size for p in jax.tree.leaves(params))
-  assert saved_bytes(True) - saved_bytes(False) == master_bytes
-  keys = ckpt._manager.item_metadata(10)["opt_state"]
-  assert not any("master_params" in k for k in keys)
+  def create(params, model_state, fp8):
+    return train.TrainState.create(
+      params=params,
+      tx=fresh_tx(),
+      model_state=model_state,
+      fp8=fp8,
+      key=jax.random.key(3),
+    )
+
+  rng = np.random.default_rng(0)
+  data = [
+    {
+      "x": rng.standard_normal((8, 6)).astype(np.float32),
+      "y": rng.standard_normal((8, 4)).astype(np.float32),
+    }
+    for _ in range(6)
+  ]
+  data[4]["x"][0, 0] = np.inf  # a skipped step after the resume
+  variables = model.init({"params": jax.random.key(0)}, data[0]["x"], False)
+  args = (
+    variables["params"],
+    {"batch_stats": variables["batch_stats"]},
+    variables["fp8_meta"],
+  )
+  state = create(*args)
+  step = train.make_train_step(loss_fn, fresh_tx(), has_aux=True)
+  for batch in data[:3]:
+    state, _ = step(state, batch)
+  saved = _host(state)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save_state(state)
+  for batch in data[3:]:
+    state, metrics = step(state, batch)
+  assert int(metrics["skipped_steps"]) == 1
+  # Fresh objects: optimizer, step function, Checkpointer, abstract target.
+  target = jax.eval_shape(create, *args)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    resumed = ckpt.restore_state(target)
+  _assert_trees_equal(_host(resumed), saved)
+  assert resumed.key.dtype == state.key.dtype
+  history = jax.tree.leaves(resumed.fp8)[0]
+  assert np.any(np.asarray(history) != 1.0)  # scales moved off their start
+  step = train.make_train_step(loss_fn, fresh_tx(), has_aux=True)
+  for batch in data[3:]:
+    resumed, _ = step(resumed, batch)
+  _assert_trees_equal(_host(resumed), _host(state))
+
+
+def test_restore_state_refuses_a_target_that_differs(tmp_path):
+  tx = jmp.mixed_precision(optax.sgd(0.1))
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  state = train.TrainState.create(
+    params=params,
+    tx=tx,
+    model_state={"stats": {"n": jnp.arange(2.0)}},
+    key=jax.random.key(0),
+  )
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, params, state.opt_state)
+    with pytest.raises(ValueError, match="save wrote it, not save_state"):
+      ckpt.restore_state(state)
+    ckpt.save_state(state.replace(step=jnp.int32(2)))
+    with pytest.raises(
+      ValueError, match="threefry2x32 PRNG key; the target's key is none"
+    ):
+      ckpt.restore_state(state.replace(key=None))
+    with pytest.raises(ValueError, match="the target's key is key<rbg>"):
+      ckpt.restore_state(state.replace(key=jax.random.key(0, impl="rbg")))
+    other = {**state.model_state, "other": {"m": jnp.zeros(2)}}
+    with pytest.raises(
+      ValueError,
+      match=r"Checkpoint 2 train .*only in the target \[\"\['model_state'\]"
+      r"\['other'\]",
+    ):
+      ckpt.restore_state(state.replace(model_state=other))
+    with pytest.raises(TypeError, match="target must be a jmp_train.train"):
+      ckpt.restore_state(params)
+    # A train-state checkpoint holds params and opt_state as save() does.
+    n, params2, opt_state = ckpt.restore(params, tx=tx)
+    assert n == 2
+    _assert_trees_equal((params2, opt_state), (params, state.opt_state))
+    restored = ckpt.restore_state(state)
+    _assert_trees_equal(_host(restored), _host(state.replace(step=jnp.int32(2))))
 
 
 def test_killed_save_keeps_the_last_good_checkpoint(tmp_path):
@@ -174,7 +328,7 @@ def test_restore_refuses_a_different_dtype(tmp_path):
     ValueError, match=r"is bfloat16\[4, 3\], the target wants float32"
   ):
     ckpt.restore({"w": jnp.ones((4, 3), jnp.float32)}, tx=tx)
-  with pytest.raises(ValueError, match="exactly one of train_step= or tx="):
+  with pytest.raises(ValueError, match="exactly one of plan= or tx="):
     ckpt.restore(params)
   ckpt.close()
   with pytest.raises(
@@ -297,11 +451,11 @@ def test_restore_puts_each_of_100k_leaves_in_its_place():
   # full orbax round trip of 100k tiny leaves takes about 4 minutes here.
   n = 100_001
   tree = {"layers": [np.int32(i) for i in range(n)]}
-  flat = checkpoint._flat(tree)
+  flat = checkpoint_format.flat(tree)
   assert len(flat) == n  # names are unique
   from_orbax = dict(sorted(flat.items(), reverse=True))
   template = {"layers": [np.int32(-1)] * n}
-  restored = checkpoint._unflat(template, from_orbax)
+  restored = checkpoint_format.unflat(template, from_orbax)
   np.testing.assert_array_equal(
     np.asarray(restored["layers"]), np.arange(n, dtype=np.int32)
   )
@@ -326,24 +480,28 @@ def test_unreadable_data_names_the_step_and_leaf(tmp_path):
   ckpt.close()
 
 
-def test_saving_a_zero_padded_state_without_train_step_raises(tmp_path):
-  step = _ckpt_child.make_step()
-  params, state = step.init(_ckpt_child.ramp_params())
+def test_a_zero_padded_state_saved_without_its_plan_does_not_restore(tmp_path):
+  tx = _ckpt_child.make_tx()
+  plan = _ckpt_child.make_plan(tx)
+  params = _ckpt_child.ramp_params()
+  state = train.TrainState.create(params=params, tx=tx, plan=plan)
   padded = [
     jax.tree_util.keystr(path)
     for (path, p), m in zip(
       jax.tree_util.tree_leaves_with_path(params),
-      jax.tree.leaves(state.master_params),
+      jax.tree.leaves(state.opt_state.master_params),
       strict=True,
     )
     if m.shape != p.shape
   ]
-  assert padded  # the 10-wide head bias is padded to 16 on 8 devices
+  assert padded  # the 10-wide extra bias is padded to 16 on 8 devices
   ckpt = checkpoint.Checkpointer(tmp_path)
-  with pytest.raises(ValueError, match="train_step=") as e:
-    ckpt.save(1, params, state)
-  assert any(path in str(e.value) for path in padded), str(e.value)
-  assert ckpt.all_steps() == [] and os.listdir(tmp_path) == []
+  # Without plan= the padding is saved (from the host: no sharded save).
+  ckpt.save(1, *jax.device_get((state.params, state.opt_state)))
+  for target in ({"plan": plan}, {"tx": tx}):
+    with pytest.raises(ValueError, match=r"wants float32\[.*plan=") as e:
+      ckpt.restore(_ckpt_child.param_template(), **target)
+    assert any(path in str(e.value) for path in padded), str(e.value)
   ckpt.close()
 
 

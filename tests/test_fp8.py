@@ -10,9 +10,10 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jmp_train
-from jmp_train import accumulation, checkpoint, fp8, sharding
+from jmp_train import fp8
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -350,151 +351,142 @@ def test_wrap_refuses_bad_fp8_arguments():
 
 
 # ---------------------------------------------------------------------------
-# The step: mixed_precision passes FP8 state through; ZeRO-1 and accumulation
-# combine amaxes by max; checkpoints keep it.
+# The step: FP8 metadata beside the params. The user's step differentiates the
+# loss with respect to "fp8_meta", combines the amaxes of micro-batches and
+# devices by max, and calls fp8.update once.
 
 
-def test_mixed_precision_passes_fp8_state_through_untouched():
+def test_update_after_max_over_micro_batches_and_devices_follows_the_rule():
+  """2 devices x 2 micro-batches, combined as a train step does: jnp.maximum
+  over the gradient trees (from zeros), then lax.pmax; `update` then rolls in
+  the max of the amaxes, by the written rule."""
+  recipe = fp8.Fp8Recipe(amax_history_len=3)
+  model = nn.Dense(
+    3, dot_general_cls=functools.partial(fp8.Fp8DotGeneral, recipe=recipe)
+  )
+  rng = np.random.default_rng(0)
+  # [device, micro-batch, rows, features]; the largest input and the largest
+  # output gradient sit in different micro-batches on different devices.
+  x = (
+    rng.normal(size=(2, 2, 4, 5))
+    * np.array([[1, 2], [8, 0.5]])[..., None, None]
+  )
+  ct = (
+    rng.normal(size=(2, 2, 4, 3))
+    * np.array([[2, 16], [1, 0.5]])[..., None, None]
+  )
+  x, ct = jnp.asarray(x, jnp.float32), jnp.asarray(ct, jnp.float32)
+  v = model.init(jax.random.key(0), x[0, 0])
+  meta = v["fp8_meta"]
+
+  def device_grads(x, ct):
+    # Per-device copies, as a data-parallel step makes them: otherwise the
+    # backward pass would have to reduce their gradients over devices.
+    params, meta_here = jax.tree.map(
+      lambda a: jax.lax.pcast(a, "data", to="varying"), (v["params"], meta)
+    )
+
+    def micro(acc, batch):
+      x, ct = batch
+      grads = jax.grad(
+        lambda m: jnp.sum(
+          model.apply({"params": params, "fp8_meta": m}, x) * ct
+        )
+      )(meta_here)
+      return jax.tree.map(jnp.maximum, acc, grads), grads
+
+    zeros = jax.tree.map(jnp.zeros_like, meta_here)
+    acc, each = jax.lax.scan(micro, zeros, (x[0], ct[0]))
+    return jax.lax.pmax(acc, "data"), each
+
+  mesh = jax.make_mesh(
+    (2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2]
+  )
+  grads_fn = jax.jit(
+    jax.shard_map(
+      device_grads,
+      mesh=mesh,
+      in_specs=(P("data"), P("data")),
+      out_specs=(P(), P("data")),
+    )
+  )
+  grads, each = grads_fn(x, ct)
+  # What makes max-combining sound: amaxes >= 0 (zeros are neutral) and
+  # zero gradients for the scale and the history, which max keeps zero.
+  for g in (grads, each):
+    (state,) = jax.tree.leaves(g, is_leaf=fp8.is_fp8_state)
+    assert (np.asarray(state.amax) >= 0).all()
+    np.testing.assert_array_equal(state.scale, 0.0)
+    np.testing.assert_array_equal(state.amax_history, 0.0)
+
+  (new,) = jax.tree.leaves(fp8.update(meta, grads), is_leaf=fp8.is_fp8_state)
+  kernel = np.asarray(v["params"]["kernel"])
+  want = np.array(
+    [np.abs(x).max(), np.abs(kernel).max(), np.abs(ct).max()], np.float32
+  )
+  assert want[0] == np.abs(x[1, 0]).max() and want[2] == np.abs(ct[0, 1]).max()
+  np.testing.assert_array_equal(new.amax_history[:, 0], want)
+  np.testing.assert_array_equal(new.amax_history[:, 1:], 0.0)
+  np.testing.assert_allclose(
+    new.scale, np.array([448.0, 448.0, 57344.0]) / want, rtol=1e-6
+  )
+  # An inf output gradient in one micro-batch survives both maxes: held.
+  grads, _ = grads_fn(x, ct.at[1, 0, 0, 0].set(jnp.inf))
+  for a, b in zip(
+    jax.tree.leaves(fp8.update(meta, grads)), jax.tree.leaves(meta), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_written_by_hand_updates_fp8_meta_beside_the_optimizer():
   model, v = _wrapped()
   tx = jmp_train.mixed_precision(
     optax.adamw(1e-2, weight_decay=0.1),
     loss_scale=jmp_train.dynamic_loss_scale(),
   )
-  state = jax.jit(tx.init)(v)
-  scale = jmp_train.current_loss_scale(state)
+  params, meta, opt_state = v["params"], v["fp8_meta"], tx.init(v["params"])
   x = jnp.ones((2, 5))
 
   @jax.jit
-  def step(v, state):
-    grads = jax.grad(
-      lambda v: scale * _loss(model)(v["params"], v["fp8_meta"], x)
-    )(v)
-    updates, state = tx.update(grads, state, v)
-    return grads, optax.apply_updates(v, updates), state
+  def step(params, meta, opt_state, poison):
+    scale = jmp_train.current_loss_scale(opt_state)
 
-  grads, new, state = step(v, state)
+    def loss(params, meta):
+      # `poison` reaches the head's bias only: the FP8 amaxes stay finite,
+      # so only `finite` can hold the FP8 state.
+      extra = poison * jnp.sum(params["head"]["bias"])
+      return scale * (_loss(model)(params, meta, x) + extra)
+
+    grads, meta_grads = jax.grad(loss, (0, 1))(params, meta)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    finite = jmp_train.train_metrics(opt_state)["last_step_finite"]
+    meta = fp8.update(meta, meta_grads, finite=finite)
+    return optax.apply_updates(params, updates), meta, opt_state
+
+  new_params, new_meta, new_opt = step(params, meta, opt_state, 0.0)
+  assert not np.array_equal(
+    new_params["Dense_0"]["kernel"], params["Dense_0"]["kernel"]
+  )
+  states = jax.tree.leaves(new_meta, is_leaf=fp8.is_fp8_state)
+  assert len(states) == 3
+  for state in states:
+    amax = np.asarray(state.amax_history[:, 0])
+    assert (amax > 0).all()
+    np.testing.assert_array_equal(state.amax_history[:, 1:], 0.0)
+    np.testing.assert_allclose(
+      state.scale, np.array([448.0, 448.0, 57344.0]) / amax, rtol=1e-6
+    )
+  # A skipped step: params and FP8 state keep their bits.
+  skipped = step(new_params, new_meta, new_opt, jnp.inf)
   for a, b in zip(
-    jax.tree.leaves(new["fp8_meta"]),
-    jax.tree.leaves(v["fp8_meta"]),
+    jax.tree.leaves(skipped[:2]),
+    jax.tree.leaves((new_params, new_meta)),
     strict=True,
   ):
     np.testing.assert_array_equal(a, b)
-  assert jax.tree.leaves(state.master_params) == []
-  # The inner optimizer has moments for the params only.
-  n_params = len(jax.tree.leaves(v["params"]))
-  assert len(jax.tree.leaves(state.inner_state)) == 2 * n_params + 1
-  # The grad norm is the params' (the amaxes are not gradients).
-  unscaled = jax.tree.map(lambda g: np.asarray(g) / scale, grads["params"])
-  want = np.sqrt(
-    sum(np.sum(np.float64(g) ** 2) for g in jax.tree.leaves(unscaled))
+  assert jmp_train.current_loss_scale(skipped[2]) < (
+    jmp_train.current_loss_scale(new_opt)
   )
-  np.testing.assert_allclose(state.grad_norm, want, rtol=1e-5)
-  assert not np.array_equal(
-    new["params"]["Dense_0"]["kernel"], v["params"]["Dense_0"]["kernel"]
-  )
-
-
-class MLP(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Dense(32)(x))
-    x = nn.relu(nn.Dense(32)(x))
-    return nn.Dense(4, name="head")(x)
-
-
-def _mlp_setup():
-  # float32 compute: FP8 is then the only rounding, so runs compare tightly.
-  model = jmp_train.linen.wrap(
-    MLP(), "float32", fp8=fp8.Fp8Recipe(amax_history_len=4), fp8_exclude="head"
-  )
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(32, 16)).astype(np.float32)
-  y = rng.integers(0, 4, 32)
-  variables = jax.jit(model.init)(jax.random.key(0), x[:1])
-
-  def loss_fn(variables, batch):
-    logits = model.apply(variables, batch[0])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch[1]
-    ).mean()
-
-  return loss_fn, variables, (x, y)
-
-
-def _metas(variables):
-  return [
-    variables["fp8_meta"][k]["Fp8DotGeneral_0"]["fp8"]
-    for k in ("Dense_0", "Dense_1")
-  ]
-
-
-def test_zero1_step_advances_fp8_state_with_the_max_over_devices():
-  loss_fn, v, batch = _mlp_setup()
-  tx = jmp_train.mixed_precision(optax.adam(1e-2))
-  runs = {}
-  for n in (8, 1):
-    mesh = jax.make_mesh(
-      (n,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n]
-    )
-    step = sharding.make_train_step(loss_fn, tx, mesh=mesh)
-    params, state = step.init(jax.tree.map(jnp.copy, v))
-    for _ in range(3):
-      params, state, _ = step(params, state, batch)
-    runs[n] = jax.tree.map(np.asarray, params)
-    for meta in _metas(params):  # replicated, not partitioned
-      assert meta.amax_history.sharding.is_fully_replicated
-  for a, b in zip(_metas(runs[8]), _metas(runs[1]), strict=True):
-    assert (a.amax_history[:, :3] > 0).all() and (
-      a.amax_history[:, 3] == 0
-    ).all()
-    # Inputs and kernels: the max over devices is the max over the batch.
-    np.testing.assert_allclose(
-      a.amax_history[:2], b.amax_history[:2], rtol=1e-6
-    )
-    # Each device differentiates the mean over its 4 rows, not over 32: its
-    # output gradients are 8x larger, and so their amax.
-    np.testing.assert_allclose(
-      a.amax_history[2], 8 * b.amax_history[2], rtol=1e-6
-    )
-  for a, b in zip(
-    jax.tree.leaves(runs[8]["params"]),
-    jax.tree.leaves(runs[1]["params"]),
-    strict=True,
-  ):
-    # Per-device sums round differently from one sum; after FP8 rounding of
-    # the next step's activations that stays a small fraction of one step.
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
-
-
-def test_accumulation_combines_amaxes_by_max():
-  loss_fn, v, batch = _mlp_setup()
-  grads = jax.jit(
-    lambda k: accumulation.accumulate_gradients(loss_fn, v, batch, k)[1],
-    static_argnums=0,
-  )
-  whole, micro = grads(1), grads(2)
-  for a, b in zip(_metas(micro), _metas(whole), strict=True):
-    a, b = fp8.combined_amax(a), fp8.combined_amax(b)
-    np.testing.assert_array_equal(a[:2], b[:2])
-    np.testing.assert_array_equal(a[2], 2 * b[2])  # means over half the rows
-
-
-def test_checkpoints_keep_the_fp8_state(tmp_path):
-  loss_fn, v, batch = _mlp_setup()
-  tx = jmp_train.mixed_precision(optax.sgd(0.1))
-  state = tx.init(v)
-  grads = jax.jit(jax.grad(loss_fn))(v, batch)
-  updates, state = jax.jit(tx.update)(grads, state, v)
-  v = fp8.update(optax.apply_updates(v, updates), grads)
-  ckpt = checkpoint.Checkpointer(tmp_path)
-  ckpt.save(1, v, state)
-  ckpt.wait()
-  template = _mlp_setup()[1]
-  _, restored, _ = ckpt.restore(template, tx=tx)
-  for a, b in zip(_metas(restored), _metas(v), strict=True):
-    assert a.recipe == b.recipe and (np.asarray(b.scale) != 1).any()
-    np.testing.assert_array_equal(a.scale, b.scale)
-    np.testing.assert_array_equal(a.amax_history, b.amax_history)
 
 
 def test_scanned_layers_keep_one_fp8_state_per_layer():
@@ -524,7 +516,9 @@ def test_scanned_layers_keep_one_fp8_state_per_layer():
     return jnp.sum(model.apply({"params": params, "fp8_meta": meta}, x))
 
   _, grads = jax.jit(jax.grad(loss, (0, 1)))(v["params"], v["fp8_meta"])
-  (state,) = fp8._states(fp8.update(v["fp8_meta"], grads))
+  (state,) = jax.tree.leaves(
+    fp8.update(v["fp8_meta"], grads), is_leaf=fp8.is_fp8_state
+  )
   assert state.scale.shape == (3, 3) and state.amax_history.shape == (3, 3, 2)
   history = np.asarray(state.amax_history[..., 0])
   assert history[0, 0] == 2.0  # layer 0 sees |x| = 2

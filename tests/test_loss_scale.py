@@ -1,5 +1,7 @@
 """Loss scales against scripted references (torch.amp, Megatron-LM) and jmp."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -714,6 +716,37 @@ def test_unflatten_does_not_validate_or_convert():
   back = jax.tree.unflatten(treedef, odd)
   assert [back.loss_scale, back.counter, back.hysteresis_tracker] == odd
   assert back.loss_scale is odd[0]
+
+
+def test_placeholders_pass_through_and_replace_validates():
+  # JAX rebuilds loss scales from ShapeDtypeStructs, Nones and shardings
+  # (eval_shape, tree.map, jit's sharding trees): the settings ride along.
+  ls = jmp.dynamic_loss_scale(hysteresis=2, max_scale=2.0**20)
+  shapes = jax.eval_shape(lambda: ls)
+  assert shapes.loss_scale == jax.ShapeDtypeStruct((), jnp.float32)
+  assert (shapes.period, shapes.max_loss_scale) == (2000, 2.0**20)
+  assert jax.tree.map(lambda _: None, ls).hysteresis_tracker is None
+  mesh = jax.make_mesh(
+    (8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), ls)
+  step = jax.jit(
+    lambda s: s.adjust(jnp.bool_(False)),
+    in_shardings=(shardings,),
+    out_shardings=shardings,
+  )
+  out = step(ls)
+  assert int(out.hysteresis_tracker) == 1 and out.max_loss_scale == 2.0**20
+  assert out.loss_scale.sharding == shardings.loss_scale
+  # A user's dataclasses.replace is a constructor call: checked, also
+  # inside jit (traced leaves are checked for shape and dtype).
+  with pytest.raises(ValueError, match="period must be an integer in"):
+    dataclasses.replace(out, period=0)
+  with pytest.raises(ValueError, match="counter must lie in"):
+    dataclasses.replace(jmp.DynamicLossScale(4.0, 5), period=5)
+  faster = jax.jit(lambda s: dataclasses.replace(s, factor=4.0))(out)
+  assert faster.factor == 4.0 and faster.hysteresis_tracker.dtype == jnp.int32
+  assert float(faster.adjust(jnp.bool_(False)).loss_scale) == 2.0**14
 
 
 def test_float_period_and_array_settings_like_jmp():

@@ -1,31 +1,96 @@
-"""The memory CLI and the HLO collective parser."""
+"""The memory table against the compiled step, and the HLO collective parser."""
 
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import gpt_model
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from jax.sharding import AxisType
 
-from jmp_train import memory
+import jmp_train
+from jmp_train import memory, train, zero1
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CFG = gpt_model.CONFIGS["tiny-gpt"]
 
 
-def test_cli_table_matches_the_compiled_step(capsys):
+@pytest.fixture(scope="module")
+def tiny_gpt():
   # fp16-true on a 2-D mesh: fp16 params and fp32 masters; the tiny model's
   # dimensions (vocab 96) divide 4, so nothing is padded. (bf16 params on a
   # mesh with a model axis crash the XLA:CPU compiler; see README, Limits.)
-  result = memory.main(
-    [
-      "--model", "tiny-gpt", "--preset", "fp16-true", "--mesh",
-      "data=4,model=2", "--check", "--batch", "8",
-    ]
-  )  # fmt: skip
-  out = capsys.readouterr().out
-  assert "B/param" in out and "match" in out
-  table, n = result["table"], result["n_params"]
+  preset = jmp_train.get_preset("fp16-true")
+  model = jmp_train.linen.wrap(gpt_model.GPT(**CFG), preset.policy)
+  params = gpt_model.init_shapes(
+    gpt_model.GPT(**CFG), preset.policy.param_dtype
+  )
+  tx = preset.mixed_precision(optax.adamw(1e-4))
+  mesh = jax.make_mesh(
+    (4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
+  plan = zero1.make_plan(tx, params, mesh)
+  state = jax.eval_shape(
+    lambda p: train.TrainState.create(params=p, tx=tx), params
+  )
+
+  def loss_fn(params, tokens, model_state, key):
+    logits = model.apply({"params": params, **model_state}, tokens[:, :-1])
+    return gpt_model.cross_entropy(logits, tokens[:, 1:])
+
+  n = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+  return plan, state, loss_fn, tx, n
+
+
+def test_table_matches_the_compiled_step(tiny_gpt):
+  plan, state, loss_fn, tx, n = tiny_gpt
+  table = memory.memory_table(plan, state)
   assert table["params"] == 2 * n and table["gradients"] == 2 * n
-  assert table["master_weights"] == 4 * n // 4
-  assert result["compiled"]["argument"] == result["expected_argument"]
+  assert table["master_weights"] == 4 * n // 4  # float32, 1/4 per device
+  # AdamW's two float32 moments, split 4 ways, plus a few scalars.
+  assert 2 * 4 * n // 4 < table["optimizer_state"] < 2 * 4 * n // 4 + 256
+  assert table["other_state"] == 4  # the int32 step: no model state or key
+  assert table["total"] == sum(v for k, v in table.items() if k != "total")
+
+  step = train.make_train_step(loss_fn, tx, plan=plan)
+  batch = jax.ShapeDtypeStruct((8, CFG["seq_len"] + 1), jnp.int32)
+  compiled = memory.compiled_memory(step, zero1.abstract(plan, state), batch)
+  batch_bytes = math.prod(plan.batch_sharding.shard_shape(batch.shape)) * 4
+  assert compiled["argument"] == table["total"] - table["gradients"] + (
+    batch_bytes
+  )
 
 
-def test_cli_rejects_bad_mesh():
-  with pytest.raises(SystemExit, match="--mesh wants name=size"):
-    memory.main(["--mesh", "data8"])
+def test_table_counts_the_float32_accumulation_buffer(tiny_gpt):
+  plan, state, _, _, n = tiny_gpt
+  table = memory.memory_table(plan, state, accum_steps=2)
+  assert table["gradients"] == 4 * n and table["params"] == 2 * n
+
+
+def test_table_refuses_a_state_of_another_optimizer(tiny_gpt):
+  plan, state, *_ = tiny_gpt
+  other = jax.eval_shape(
+    lambda p: train.TrainState.create(params=p, tx=optax.sgd(0.1)),
+    state.params,
+  )
+  with pytest.raises(ValueError, match="state.opt_state"):
+    memory.memory_table(plan, other)
+
+
+def test_one_device_table_counts_whole_leaves():
+  tx = jmp_train.mixed_precision(optax.adam(1e-3))
+  params = {"w": np.zeros((3, 5), jnp.bfloat16), "b": np.zeros(5, np.float32)}
+  state = train.TrainState.create(params=params, tx=tx, key=jax.random.key(0))
+  table = memory.memory_table(None, state)
+  assert table["params"] == 15 * 2 + 5 * 4
+  assert table["master_weights"] == 15 * 4  # only the bfloat16 leaf's
+  assert table["other_state"] == 4 + 8  # step and key
 
 
 def test_collective_parser_on_hlo_lines():
@@ -46,3 +111,24 @@ def test_collective_parser_on_hlo_lines():
   assert rs.shape_bytes == 32 * 8 * 4 and rs.bytes == 32 * 8 * 4 * 7 / 8
   assert ag.shape_bytes == 32 * 8 * 2 and ag.group_size == 8
   assert ar.bytes == 2 * 8 * 7 / 8 and ar.max_elements == 1
+
+
+def test_memory_table_script():
+  # A script of its own (it configures JAX's devices), so a child process.
+  script = str(ROOT / "benchmarks" / "memory_table.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  args = ["--model", "tiny-gpt", "--preset", "fp16-true", "--mesh"]
+  done = subprocess.run(
+    [sys.executable, script, *args, "data=4,model=2"],
+    capture_output=True,
+    text=True,
+    env=env,
+    check=True,
+  )
+  lines = dict(line.split(None, 1) for line in done.stdout.splitlines()[1:])
+  assert lines["params"].endswith("2.000 B/param")
+  assert lines["master_weights"].endswith("1.000 B/param")  # 4 bytes / 4
+  bad = subprocess.run(
+    [sys.executable, script, "--mesh", "data8"], capture_output=True, text=True
+  )
+  assert bad.returncode and "--mesh wants name=size" in bad.stderr

@@ -283,10 +283,10 @@ def test_linen_and_nnx_train_to_the_same_losses(policy):
     assert 0 < int(metrics["skipped_steps"]) < 10
   # bf16-stored params stay bf16 and equal the float32 masters cast down.
   if policy.startswith("p=bf16"):
-    state = jmp_train.transform._find_state(nnx.as_pure(optimizer.opt_state))
+    state = optax.tree.get(nnx.as_pure(optimizer.opt_state), "master_params")
     kernel = model.dense.kernel[...]
     assert kernel.dtype == jnp.bfloat16
-    master = state.master_params["dense"]["kernel"]
+    master = state["dense"]["kernel"]
     assert master.dtype == jnp.float32
     np.testing.assert_array_equal(kernel, master.astype(jnp.bfloat16))
 

@@ -1,4 +1,6 @@
-"""Presets: each names the policy, loss scale and master-weights choice."""
+"""Presets: each names the policy, loss scale and param-update rule."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ import pytest
 import jmp_train
 
 EXPECTED = {
-  # name: (params, compute, output, loss scale class, master weights)
+  # name: (params, compute, output, loss scale class, FP32 masters kept)
   "fp32": ("float32", "float32", "float32", jmp_train.NoOpLossScale, False),
   "bf16-mixed": (
     "float32",
@@ -65,7 +67,10 @@ def test_preset_contents(name):
     f"params={params},compute={compute},output={output}"
   )
   assert type(preset.loss_scale) is scale_cls
-  assert preset.master_weights is master
+  # Every preset keeps masters for low-precision params; only the *-true
+  # presets have any.
+  assert preset.param_update == jmp_train.MasterWeights()
+  assert (np.dtype(preset.policy.param_dtype).itemsize < 4) is master
   assert preset is jmp_train.get_preset(name)
   if "fp8" in name:  # NeMo's *_with_fp8_mixed: Transformer Engine's defaults
     assert preset.fp8 == jmp_train.fp8.Fp8Recipe(
@@ -114,3 +119,52 @@ def test_unknown_preset_lists_the_known_ones():
   assert "'bf16'" in str(err.value)
   with pytest.raises(ValueError, match="Unknown preset"):
     jmp_train.get_preset(None)
+
+
+def test_presets_adjust_with_dataclasses_replace():
+  fp16 = jmp_train.get_preset("fp16-true")
+  scale = dataclasses.replace(fp16.loss_scale, period=100)
+  fast = dataclasses.replace(fp16, loss_scale=scale)
+  # The preset's other loss-scale settings are kept; the named one is not
+  # changed.
+  assert (scale.period, scale.factor, scale.backoff_factor) == (100, 2.0, 0.5)
+  assert float(scale.loss_scale) == 2.0**15 and fp16.loss_scale.period == 2000
+  assert fast != fp16 and fast == dataclasses.replace(fp16, loss_scale=scale)
+  assert fp16 == jmp_train.get_preset("fp16-true")
+  assert {fast: 1, fp16: 2}[fp16] == 2  # hashable: usable as a key
+  static = dataclasses.replace(fp16, loss_scale=128.0)  # as mixed_precision
+  assert static.loss_scale == jmp_train.StaticLossScale(128.0)
+  assert dataclasses.replace(fp16, loss_scale=None).loss_scale == (
+    jmp_train.NoOpLossScale()
+  )
+
+  # The adjusted preset's optimizer follows it: stochastic rounding, no
+  # masters, the loss scale grows after `period` finite steps.
+  rounded = dataclasses.replace(
+    fast, param_update=jmp_train.StochasticRounding(seed=1)
+  )
+  tx = rounded.mixed_precision(optax.sgd(1e-3))
+  params = {"w": jnp.ones(3, jnp.float16)}
+  state = tx.init(params)
+  assert isinstance(state.master_params["w"], optax.MaskedNode)
+  grads = {"w": jnp.ones(3, jnp.float16)}
+  update = jax.jit(tx.update)
+  for _ in range(100):
+    _, state = update(grads, state, params)
+  assert float(jmp_train.current_loss_scale(state)) == 2.0**16
+
+
+def test_preset_fields_are_checked_when_built_or_replaced():
+  preset = jmp_train.get_preset("bf16-true")
+  bad = {
+    "policy": ("bf16", "policy must be a jmp_train.Policy"),
+    "loss_scale": ("dynamic", "loss_scale must be"),
+    "param_update": (True, "param_update must be .*MasterWeights"),
+    "fp8": ("hybrid", "fp8 must be a jmp_train.fp8.Fp8Recipe"),
+    "name": (3, "name must be a str"),
+  }
+  for field, (value, message) in bad.items():
+    with pytest.raises(TypeError, match=message):
+      dataclasses.replace(preset, **{field: value})
+  with pytest.raises(ValueError, match="loss_scale"):
+    dataclasses.replace(preset, loss_scale=0.0)

@@ -99,18 +99,17 @@ def test_special_values_and_other_leaves_pass_as_a_plain_cast_would():
 
 
 # ---------------------------------------------------------------------------
-# mixed_precision(..., master_weights=False, stochastic_rounding=True)
+# mixed_precision(..., param_update=StochasticRounding(seed))
 
 
 def _run(steps, *, stochastic, seed=0, start=None):
   """SGD with a constant gradient whose updates are 1/16 of a bf16 ulp."""
   params = {"w": jnp.ones((4096,), jnp.bfloat16), "n": jnp.arange(2)}
-  tx = jmp_train.mixed_precision(
-    optax.sgd(2.0**-11),
-    master_weights=False,
-    stochastic_rounding=stochastic,
-    seed=seed,
-  )
+  if stochastic:
+    rule = jmp_train.StochasticRounding(seed=seed)
+  else:
+    rule = jmp_train.RoundToNearest()
+  tx = jmp_train.mixed_precision(optax.sgd(2.0**-11), param_update=rule)
   grads = {"w": jnp.ones((4096,), jnp.bfloat16), "n": jnp.zeros(2, jnp.int32)}
 
   @jax.jit
@@ -148,10 +147,17 @@ def test_stochastic_rounding_is_reproducible_from_the_step():
   assert not np.array_equal(np.asarray(other_seed[-1][0]["w"]), final)
 
 
-def test_stochastic_rounding_needs_master_weights_off():
-  with pytest.raises(ValueError, match="pass master_weights=False"):
-    jmp_train.mixed_precision(optax.sgd(1.0), stochastic_rounding=True)
-  with pytest.raises(TypeError, match="stochastic_rounding must be True or"):
+def test_stochastic_rounding_takes_its_seed_and_nothing_else():
+  # The seed lives in the rule, so "stochastic rounding with master weights"
+  # cannot be written; a bad seed is refused where it is given.
+  assert jmp_train.StochasticRounding(np.int64(3)).seed == 3
+  assert type(jmp_train.StochasticRounding(np.int64(3)).seed) is int
+  for bad in (1.5, -1, True, "0", jnp.int32(2)):
+    with pytest.raises(ValueError, match="StochasticRounding seed must be an"):
+      jmp_train.StochasticRounding(seed=bad)
+  with pytest.raises(TypeError, match=r"an instance: StochasticRounding\(\)"):
     jmp_train.mixed_precision(
-      optax.sgd(1.0), master_weights=False, stochastic_rounding=1
+      optax.sgd(1.0), param_update=jmp_train.StochasticRounding
     )
+  with pytest.raises(TypeError, match="stochastic_rounding"):  # old keyword
+    jmp_train.mixed_precision(optax.sgd(1.0), stochastic_rounding=True)

@@ -10,6 +10,13 @@ import jmp_train
 from jmp_train import schedule
 
 
+def _mp_state(opt_state):
+  """The `MixedPrecisionState` inside an optimizer state."""
+  is_mp = lambda x: isinstance(x, jmp_train.MixedPrecisionState)  # noqa: E731
+  (found,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_mp) if is_mp(x)]
+  return found
+
+
 def _params():
   rng = np.random.default_rng(0)
   return {
@@ -140,7 +147,7 @@ def test_loss_scale_kept_only_for_same_settings_and_found_in_a_chain():
   assert int(jmp_train.train_metrics(same)["skipped_steps"]) == 1
   _, bf16 = schedule.adjust_precision(params, state, "bf16-mixed")
   assert isinstance(
-    jmp_train.transform._find_state(bf16).loss_scaler, jmp_train.NoOpLossScale
+    optax.tree.get(bf16, "loss_scaler"), jmp_train.NoOpLossScale
   )
   assert float(jmp_train.current_loss_scale(bf16)) == 1.0
   _, back = schedule.adjust_precision(params, bf16, fp16)
@@ -203,12 +210,12 @@ def test_nnx_model_and_optimizer_switch_in_place():
   step = nnx.jit(step)
   for _ in range(3):
     step(model, optimizer)
-  before = jmp_train.transform._find_state(nnx.as_pure(optimizer.opt_state))
+  before = _mp_state(nnx.as_pure(optimizer.opt_state))
   kernel_master = before.master_params["dense"]["kernel"]
   assert model.dense.kernel.dtype == jnp.bfloat16
 
   schedule.adjust_nnx_precision(model, optimizer, "fp32")
-  after = jmp_train.transform._find_state(nnx.as_pure(optimizer.opt_state))
+  after = _mp_state(nnx.as_pure(optimizer.opt_state))
   assert model.dense.kernel.dtype == jnp.float32
   np.testing.assert_array_equal(model.dense.kernel[...], kernel_master)
   assert model.norm.scale.dtype == jnp.float32

@@ -98,7 +98,7 @@ def test_inner_sees_exactly_the_unscaled_grads_and_float32_params(
     tx = jmp_train.mixed_precision(
       probe("grads"),
       loss_scale=jmp_train.StaticLossScale(scale),
-      master_weights=False,
+      param_update=jmp_train.RoundToNearest(),
     )
     _, state = variant(tx.update)(scaled, tx.init(params), params)
     if not jmp_train.all_finite(scaled):  # float16 at 2**40: overflow
@@ -267,7 +267,10 @@ def test_master_weights_matter_for_updates_below_half_an_ulp():
   float32_run, _ = train(optax.sgd(lr), params32)
   with_master, state = train(jmp_train.mixed_precision(optax.sgd(lr)), params16)
   without, _ = train(
-    jmp_train.mixed_precision(optax.sgd(lr), master_weights=False), params16
+    jmp_train.mixed_precision(
+      optax.sgd(lr), param_update=jmp_train.RoundToNearest()
+    ),
+    params16,
   )
   np.testing.assert_allclose(float32_run["w"], 1 - lr * steps, rtol=1e-4)
   np.testing.assert_array_equal(state.master_params["w"], float32_run["w"])
@@ -278,7 +281,7 @@ def test_master_weights_matter_for_updates_below_half_an_ulp():
   np.testing.assert_array_equal(without["w"], params16["w"])  # frozen at 1.0
 
 
-def test_master_weights_auto_only_for_low_precision_floats():
+def test_master_weights_only_for_low_precision_floats():
   params = {
     "bf": jnp.ones(2, jnp.bfloat16),
     "f16": jnp.ones(2, jnp.float16),
@@ -286,20 +289,14 @@ def test_master_weights_auto_only_for_low_precision_floats():
     "i": jnp.arange(2),
   }
   masked = lambda x: isinstance(x, optax.MaskedNode)
-  for setting in (None, True):
-    m = (
-      jmp_train.mixed_precision(optax.sgd(1.0), master_weights=setting)
-      .init(params)
-      .master_params
-    )
+  masters = lambda **kw: (  # noqa: E731
+    jmp_train.mixed_precision(optax.sgd(1.0), **kw).init(params).master_params
+  )
+  for m in (masters(), masters(param_update=jmp_train.MasterWeights())):
     assert m["bf"].dtype == jnp.float32 and m["f16"].dtype == jnp.float32
     assert masked(m["f32"]) and masked(m["i"])
-  m = (
-    jmp_train.mixed_precision(optax.sgd(1.0), master_weights=False)
-    .init(params)
-    .master_params
-  )
-  assert all(masked(v) for v in m.values())
+  for rule in (jmp_train.RoundToNearest(), jmp_train.StochasticRounding(1)):
+    assert all(masked(v) for v in masters(param_update=rule).values())
   f32_only = jmp_train.mixed_precision(optax.adam(1.0)).init({"w": jnp.ones(2)})
   assert jax.tree.leaves(f32_only.master_params) == []
 
@@ -375,6 +372,9 @@ def test_inside_chain_with_inject_hyperparams_and_extra_args():
   assert float(optax.tree.get(state, "learning_rate")) == pytest.approx(0.1)
   metrics = jmp_train.train_metrics(state)
   assert int(metrics["steps"]) == 3
+  # Our state's field names are unique in the chain: optax.tree.get finds them.
+  assert int(optax.tree.get(state, "skipped_steps")) == 0
+  assert float(optax.tree.get(state, "loss_scaler").loss_scale) == 4.0
 
 
 def test_contract_shapes_no_recompile_and_types_preserved():
@@ -518,8 +518,10 @@ def test_bad_input_raises_clear_errors():
     tx.update({"v": jnp.ones(2)}, state, params)
   with pytest.raises(TypeError, match="loss_scale must be"):
     jmp_train.mixed_precision(optax.sgd(0.1), loss_scale="dynamic")
-  with pytest.raises(TypeError, match="master_weights must be"):
-    jmp_train.mixed_precision(optax.sgd(0.1), master_weights="yes")
+  with pytest.raises(TypeError, match="param_update must be .*got 'yes'"):
+    jmp_train.mixed_precision(optax.sgd(0.1), param_update="yes")
+  with pytest.raises(TypeError, match="master_weights"):  # the old keyword
+    jmp_train.mixed_precision(optax.sgd(0.1), master_weights=False)
   with pytest.raises(ValueError, match="found 0"):
     jmp_train.current_loss_scale(optax.adam(1.0).init(params))
   two = optax.chain(
@@ -633,28 +635,25 @@ def _plain_step(tx, params, state, x, y):
 
 
 def test_inject_hyperparams_needs_no_static_args_and_honours_the_seed():
-  # optax.inject_hyperparams turns every number into a state array: `seed`
-  # arrives as an int32 array (traced in update) and must be honoured.
+  # The param-update rule, seed included, is a setting, not a number: it
+  # passes through optax.inject_hyperparams untraced.
   factory = optax.inject_hyperparams(jmp_train.mixed_precision)
   params = {"w": jnp.full((256,), 1.0 + 2.0**-10, jnp.bfloat16)}
   grads = {"w": jnp.full((256,), 2.0**-12, jnp.bfloat16)}
 
-  tx = factory(
-    optax.sgd(1.0), master_weights=False, stochastic_rounding=True, seed=3
-  )
-  update = jax.jit(tx.update)
-  state = tx.init(params)
-  assert int(state.hyperparams["seed"]) == 3
+  def stepper(seed):
+    tx = factory(
+      optax.sgd(1.0), param_update=jmp_train.StochasticRounding(seed=seed)
+    )
+    state = tx.init(params)
+    assert set(state.hyperparams) == set()  # nothing traced
+    update = jax.jit(tx.update)
+    return lambda: optax.apply_updates(params, update(grads, state, params)[0])
 
-  def one_step(state):
-    updates, _ = update(grads, state, params)
-    return optax.apply_updates(params, updates)["w"]
-
-  a, b = one_step(state), one_step(state)
-  hyperparams = {**state.hyperparams, "seed": jnp.int32(4)}
-  c = one_step(state._replace(hyperparams=hyperparams))
+  three = stepper(3)
+  a, b, c = three()["w"], three()["w"], stepper(4)()["w"]
   np.testing.assert_array_equal(a, b)  # reproducible
-  assert not np.array_equal(a, c)  # and the (injected) seed is used
+  assert not np.array_equal(a, c)  # and the seed is used
   # A numeric loss scale would become a hyperparameter we cannot honour.
   tx = factory(optax.sgd(0.1), loss_scale=128.0)
   state = tx.init(params)
@@ -742,7 +741,7 @@ def test_stochastic_rounding_lands_on_a_neighbour_when_crossing_zero(
   tiny = np.abs(old) * scale * rng.choice([-1, 1], n)
   g = (-old + tiny).astype(np.float32)
   tx = jmp_train.mixed_precision(
-    optax.identity(), master_weights=False, stochastic_rounding=True
+    optax.identity(), param_update=jmp_train.StochasticRounding(seed=0)
   )
   updates, _ = jax.jit(tx.update)(
     {"w": jnp.asarray(g)}, tx.init(params), params
@@ -770,8 +769,6 @@ def test_inputs_that_failed_late_or_obscurely_get_clear_errors():
     TypeError, match=r"inner must be an optax\.Gradient.*None"
   ):
     jmp_train.mixed_precision(None)
-  with pytest.raises(TypeError, match="seed must be an integer"):
-    jmp_train.mixed_precision(optax.sgd(0.1), seed=1.5)
   tx = jmp_train.mixed_precision(optax.sgd(0.1))
   grads = {"layer": {"w": jnp.ones(3)}}
   with pytest.raises(TypeError, match="state of type tuple.*MixedPrecision"):

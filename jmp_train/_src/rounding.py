@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train import policy as policy_lib
+from jmp_train._src import leaves
 
 T = TypeVar("T")
 
@@ -84,16 +84,17 @@ def cast_stochastic(tree: T, dtype: Any, key: jax.Array) -> T:
     raise ValueError(
       f"cast_stochastic rounds to bfloat16 or float16, got dtype {dtype!r}."
     )
-  leaves, treedef = jax.tree.flatten(tree)
-  keys = jax.random.split(key, max(len(leaves), 1))
+  flat, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, max(len(flat), 1))
 
   def cast(x, k):
-    if not policy_lib._is_castable(x):
+    is_array = isinstance(x, (jax.Array, np.ndarray, np.generic))
+    if not (is_array and leaves.is_real_float(x)):
       return x
     if x.dtype in _WIDE:
       return _round_leaf(jnp.asarray(x), dtype, k)
     return jnp.asarray(x).astype(dtype)
 
   return jax.tree.unflatten(
-    treedef, [cast(x, k) for x, k in zip(leaves, keys, strict=False)]
+    treedef, [cast(x, k) for x, k in zip(flat, keys, strict=False)]
   )

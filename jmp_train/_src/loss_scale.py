@@ -1,10 +1,10 @@
 """Loss scales: no-op, static and dynamic, plus finiteness helpers.
 
-A drop-in superset of jmp 0.0.4's loss scales. Each loss scale is a pytree
-whose settings are static fields (plain Python numbers in the tree
-definition), so they survive flattening, `jax.jit`, `lax.scan` and
-checkpoints; the evolving values (scale, growth counter and, with
-`hysteresis > 1`, the hysteresis budget) are leaves.
+A drop-in superset of jmp 0.0.4's loss scales. Each loss scale is a frozen
+dataclass and a pytree: its evolving values (the scale, the growth counter
+and, with `hysteresis > 1`, the hysteresis budget) are leaves; every other
+field is a setting, carried as static data in the tree definition, so it
+survives flattening, `jax.jit`, `lax.scan` and checkpoints.
 
 The scale is always a normal float32 whose reciprocal is normal too: it lies
 in [2**-126, 2**126]. Above 2**126, `1 / scale` is subnormal and XLA flushes
@@ -13,23 +13,28 @@ is subnormal or 0. Settings and concrete scales outside that range are refused
 when a loss scale is built, and the dynamic scale's growth is capped (and its
 backoff floored) so it never leaves the range.
 
-Validation happens when a user builds a loss scale, never when JAX rebuilds
-one from its leaves (unflattening bypasses `__init__`), so tracers, shardings
-and `None` placeholders pass through `jax.tree.map`, jit and checkpoints.
+Validation happens when a user builds a loss scale (the constructor, the
+`dynamic_loss_scale` factory, `dataclasses.replace`), never when JAX rebuilds
+one from its leaves: unflattening bypasses `__init__`, so tracers, shardings,
+`jax.ShapeDtypeStruct`s and `None` placeholders pass through `jax.tree.map`,
+jit, `jax.eval_shape` and checkpoints unchecked.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import numbers
+import sys
 import warnings
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jmp_train._src import leaves
 
 T = TypeVar("T")
 
@@ -52,43 +57,62 @@ class _NotBooleanScalarError(ValueError, AssertionError):
   """
 
 
-def _is_inexact_array(x: Any) -> bool:
-  """A floating or complex array: what a gradient can be (jmp scales all)."""
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+def _boolean_scalar(pred: Any, where: str, name: str) -> jax.Array:
+  pred = jnp.asarray(pred)
+  if pred.ndim != 0 or pred.dtype != jnp.bool_:
+    raise _NotBooleanScalarError(
+      f"{where} expected boolean scalar {name}, got "
+      f"{pred.dtype}{list(pred.shape)}."
+    )
+  return pred
 
 
-def _reciprocal(scale: Any) -> Any:
-  """1 / scale rounded to float32, as torch and jmp unscale (by multiplying).
-
-  Multiplying by the reciprocal is what XLA does with a division by a
-  constant anyway; writing it out keeps jit and eager results identical. For
-  the power-of-two scales of dynamic scaling it is exact, and for any scale
-  in [2**-126, 2**126] it is a normal float32 (never flushed to 0).
-  """
-  return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
-
-
-def _scale_leaves(tree: T, fn) -> T:
-  """Applies `fn` to the floating and complex leaves, in at least float32."""
-
-  def apply(x):
-    if not _is_inexact_array(x):
-      return x
-    return fn(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
-
-  return jax.tree.map(apply, tree)
+# Pytree plumbing: one registration for the three classes.
 
 
 def _new(cls: type[T], **fields: Any) -> T:
   """An instance with these fields, built without `__init__` (no checks).
 
-  For values the library produces itself (unflattening, `adjust`) or has
-  already validated; user-facing construction goes through `__init__`.
+  For values JAX rebuilds (unflattening) and values this module computes or
+  has already validated (`adjust`, the factory).
   """
   obj = object.__new__(cls)
   for name, value in fields.items():
     object.__setattr__(obj, name, value)
   return obj
+
+
+def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
+  """Registers the dataclass `cls` as a pytree.
+
+  The fields that `leaf_names(value)` names are its leaves; every other field
+  is a setting (a hashable Python value) carried as static aux data, so no
+  setting can be dropped. Unflattening bypasses `__init__` (see `_new`).
+  """
+
+  fields = [f.name for f in dataclasses.fields(cls)]
+
+  def flatten_with_keys(ls):
+    names = leaf_names(ls)
+    children = tuple(
+      (jax.tree_util.GetAttrKey(k), getattr(ls, k)) for k in names
+    )
+    settings = tuple((k, getattr(ls, k)) for k in fields if k not in names)
+    return children, (names, settings)
+
+  def flatten(ls):
+    children, aux = flatten_with_keys(ls)
+    return tuple(leaf for _, leaf in children), aux
+
+  def unflatten(aux, children):
+    names, settings = aux
+    return _new(
+      cls, **dict(settings), **dict(zip(names, children, strict=True))
+    )
+
+  jax.tree_util.register_pytree_with_keys(
+    cls, flatten_with_keys, unflatten, flatten
+  )
 
 
 # Validation of user input. `name` is the argument's name in the caller's
@@ -101,12 +125,15 @@ def _f32(value: float) -> float:
     return float(np.float32(value))
 
 
-def _host_scalar(value: Any, name: str) -> np.ndarray:
-  """A concrete real scalar setting as a 0-d NumPy array, or raises.
+def _host_scalar(value: Any, name: str, kind: str = "a number") -> np.ndarray:
+  """A concrete real scalar as a 0-d NumPy array, or raises.
 
-  Accepts Python, NumPy and (non-traced) JAX real scalars; rejects booleans,
-  strings, traced values and anything with a shape.
+  Accepts Python, NumPy and (non-traced) JAX real scalars; rejects booleans
+  (the message says `name` must be `kind`), strings, traced values and
+  anything with a shape.
   """
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be {kind}, got {value!r}.")
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
       f"{name} is a setting (a static field) and must be a concrete number, "
@@ -114,19 +141,18 @@ def _host_scalar(value: Any, name: str) -> np.ndarray:
     )
   if isinstance(value, jax.Array) and not value.is_fully_addressable:
     value = value.addressable_data(0)
-  if isinstance(value, (str, bytes)) or value is None:
-    host = None
-  elif isinstance(value, int) and not -(2**63) <= value < 2**63:
+  host = None
+  if isinstance(value, int) and not -(2**63) <= value < 2**63:
     # Beyond int64 (2**126 is a valid scale): as a float, inf if too large.
     try:
       host = np.asarray(float(value))
     except OverflowError:
-      host = np.asarray(math.inf if value > 0 else -math.inf)
-  else:
+      host = np.asarray(math.copysign(math.inf, value))
+  elif not isinstance(value, (str, bytes)) and value is not None:
     try:
       host = np.asarray(value)
     except (TypeError, ValueError):
-      host = None
+      pass
   if host is None or host.dtype.kind not in "iuf":
     raise TypeError(f"{name} must be a real number, got {value!r}.")
   if host.ndim:
@@ -143,29 +169,26 @@ def _show(value: Any, host: np.ndarray) -> str:
   return f"{host.dtype}({host.item()!r})"
 
 
-def _warn_outside(message: str) -> None:
-  """Warns, attributing the warning to the first caller outside this module."""
-  frame, level = inspect.currentframe(), 1
-  while frame is not None and frame.f_code.co_filename == __file__:
-    frame, level = frame.f_back, level + 1
-  warnings.warn(message, stacklevel=level)
-
-
 def _warn_if_integer(value: Any, name: str) -> None:
   """jmp's warning for an integer array (a Python int is simply converted)."""
   dtype = getattr(value, "dtype", None)
-  if dtype is not None and np.dtype(dtype).kind in "iu":
-    # jmp's words; jmp then crashes in adjust, we convert.
-    _warn_outside(
-      f"Expected floating type for {name}, got {dtype}; converted to float32."
-    )
+  if dtype is None or np.dtype(dtype).kind not in "iu":
+    return
+  # Attribute the warning to the user's line: the first frame outside this
+  # module (the dataclass-generated __init__ runs in this module's globals).
+  frame, level = sys._getframe(1), 2
+  while frame is not None and frame.f_globals.get("__name__") == __name__:
+    frame, level = frame.f_back, level + 1
+  # jmp's words; jmp then crashes in adjust, we convert.
+  warnings.warn(
+    f"Expected floating type for {name}, got {dtype}; converted to float32.",
+    stacklevel=level,
+  )
 
 
 def _integer_setting(value: Any, name: str, low: int, what: str) -> int:
   """An integer setting in [low, 2**31 - 1]; 5.0 counts as 5 (jmp passes it)."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be an integer ({what}), got {value!r}.")
-  host = _host_scalar(value, name)
+  host = _host_scalar(value, name, f"an integer ({what})")
   number = float(host)
   if not number.is_integer() or not low <= number <= _INT32_MAX:
     raise ValueError(
@@ -175,16 +198,8 @@ def _integer_setting(value: Any, name: str, low: int, what: str) -> int:
   return int(number)
 
 
-def _bool_setting(value: Any, name: str) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be True or False, got {value!r}.")
-  return bool(value)
-
-
 def _factor(value: Any, name: str, low: float, high: float) -> float:
   """A multiplier whose float32 rounding lies strictly inside (low, high)."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a number, got {value!r}.")
   host = _host_scalar(value, name)
   number = float(host)
   # adjust multiplies in float32: 1 + 1e-9 would round to 1 and never grow.
@@ -197,24 +212,14 @@ def _factor(value: Any, name: str, low: float, high: float) -> float:
   return number
 
 
-def _scale_setting(
-  value: Any,
-  name: str,
-  *,
-  zero_ok: str | None = None,
-  warn_int: bool = False,
-) -> float:
+def _scale_setting(value: Any, name: str, zero_ok: str | None = None) -> float:
   """A scale given as a setting, as a Python float in the scale's range.
 
   `zero_ok=None` refuses 0; a string lets 0 through and, if not empty, says
   in the message what 0 means ("" for StaticLossScale: jmp builds it at 0,
   and its scale/unscale refuse).
   """
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a number, got {value!r}.")
   host = _host_scalar(value, name)
-  if warn_int:
-    _warn_if_integer(value, name)
   number = float(host)
   if zero_ok is not None and number == 0:
     return 0.0
@@ -239,39 +244,33 @@ def _scale_leaf(value: Any, name: str) -> tuple[Any, float | None]:
   """
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a float, got {value!r}.")
+  number = None
   if not isinstance(value, jax.core.Tracer):
-    number = _scale_setting(value, name, warn_int=True)
-    if isinstance(value, jax.Array):
-      if value.dtype != jnp.float32:
-        value = value.astype(jnp.float32)
-      return value, number
-    return np.asarray(number, np.float32), number
-  if value.shape != ():
+    _warn_if_integer(value, name)
+    number = _scale_setting(value, name)
+    if not isinstance(value, jax.Array):
+      return np.asarray(number, np.float32), number
+  elif value.shape != ():
     raise ValueError(
       f"{name} must be a scalar, got a traced array of shape {value.shape}."
     )
-  if value.dtype.kind not in "iuf":
+  elif value.dtype.kind not in "iuf":
     raise TypeError(f"{name} must be a real number, got dtype {value.dtype}.")
-  _warn_if_integer(value, name)
+  else:
+    _warn_if_integer(value, name)
   if value.dtype != jnp.float32:
     value = value.astype(jnp.float32)
-  return value, None
+  return value, number
 
 
 def _count_leaf(value: Any, name: str, high: int, what: str) -> Any:
   """An int32 scalar counter in [0, high] (checked when concrete)."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be an integer, got {value!r}.")
   traced = isinstance(value, jax.core.Tracer)
-  if traced:
-    dtype, shape = value.dtype, value.shape
-  else:
-    host = _host_scalar(value, name)
-    dtype, shape = host.dtype, host.shape
-  if dtype.kind not in "iu":
+  host = value if traced else _host_scalar(value, name, "an integer")
+  if host.dtype.kind not in "iu":
     raise TypeError(f"{name} must be an integer ({what}), got {value!r}.")
-  if shape != ():
-    raise ValueError(f"{name} must be a scalar, got shape {shape}.")
+  if host.shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {host.shape}.")
   if not traced and not 0 <= int(host) <= high:
     raise ValueError(
       f"{name} must lie in [0, {high}] ({what}), got {_show(value, host)}."
@@ -281,6 +280,108 @@ def _count_leaf(value: Any, name: str, high: int, what: str) -> Any:
   return np.asarray(int(host), np.int32)
 
 
+def _check_dynamic(
+  fields: dict[str, Any], names: dict[str, str]
+) -> dict[str, Any]:
+  """A DynamicLossScale's fields, validated and converted.
+
+  `names` renames fields in messages to the caller's vocabulary (torch.amp's
+  `growth_interval` for `period`); fields it lacks keep their names.
+  """
+  f, n = dict(fields), {k: names.get(k, k) for k in fields}
+  f["period"] = _integer_setting(
+    f["period"], n["period"], 1, "finite steps per growth"
+  )
+  f["factor"] = _factor(f["factor"], n["factor"], 1.0, math.inf)
+  if f["backoff_factor"] is not None:
+    f["backoff_factor"] = _factor(
+      f["backoff_factor"], n["backoff_factor"], 0.0, 1.0
+    )
+  # jmp's min_loss_scale may be 0: the floor is then 2**-126.
+  _warn_if_integer(f["min_loss_scale"], n["min_loss_scale"])
+  low = f["min_loss_scale"] = _scale_setting(
+    f["min_loss_scale"], n["min_loss_scale"], "the floor is then 2**-126"
+  )
+  high = f["max_loss_scale"]
+  if isinstance(high, numbers.Real) and high == math.inf:
+    high = f["max_loss_scale"] = None
+  if high is not None:
+    high = f["max_loss_scale"] = _scale_setting(high, n["max_loss_scale"])
+    if _f32(high) < _f32(low):
+      raise ValueError(
+        f"{n['max_loss_scale']} ({high}) must be >= {n['min_loss_scale']} "
+        f"({low})."
+      )
+  f["hysteresis"] = _integer_setting(
+    f["hysteresis"],
+    n["hysteresis"],
+    1,
+    "overflows tolerated before backing off",
+  )
+  f["consecutive_hysteresis"] = leaves.check_bool(
+    f["consecutive_hysteresis"], n["consecutive_hysteresis"]
+  )
+  f["loss_scale"], value = _scale_leaf(f["loss_scale"], n["loss_scale"])
+  if value is not None:
+    value = _f32(value)
+    if value < _f32(low):
+      raise ValueError(
+        f"{n['loss_scale']} ({value}) must be >= {n['min_loss_scale']} "
+        f"({low}); lower {n['min_loss_scale']} to start below it."
+      )
+    if high is not None and value > _f32(high):
+      raise ValueError(
+        f"{n['loss_scale']} ({value}) must be <= {n['max_loss_scale']} "
+        f"({high})."
+      )
+  f["counter"] = _count_leaf(
+    f["counter"],
+    n["counter"],
+    f["period"] - 1,
+    f"finite steps since the last change, below {n['period']}",
+  )
+  tracker, budget = f["hysteresis_tracker"], f["hysteresis"]
+  if budget == 1 and tracker is not None:
+    raise ValueError(
+      "hysteresis_tracker is only tracked with hysteresis > 1 (with 1, "
+      f"every overflow backs off); got {tracker!r}: pass None."
+    )
+  if budget > 1 and tracker is None:
+    f["hysteresis_tracker"] = np.asarray(budget, np.int32)
+  elif budget > 1:
+    f["hysteresis_tracker"] = _count_leaf(
+      tracker,
+      n["hysteresis_tracker"],
+      budget,
+      "overflows left before backing off",
+    )
+  return f
+
+
+def _reciprocal(scale: Any) -> Any:
+  """1 / scale rounded to float32, as torch and jmp unscale (by multiplying).
+
+  Multiplying by the reciprocal is what XLA does with a division by a
+  constant anyway; writing it out keeps jit and eager results identical. For
+  the power-of-two scales of dynamic scaling it is exact, and for any scale
+  in [2**-126, 2**126] it is a normal float32 (never flushed to 0).
+  """
+  return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
+
+
+def _scale_leaves(tree: T, factor: Any) -> T:
+  """The float and complex leaves of `tree` times `factor`, in >= float32."""
+  factor = jnp.asarray(factor, jnp.float32)
+
+  def apply(x):
+    if not leaves.is_inexact(x):
+      return x
+    x = leaves.widen(x)
+    return x * factor.astype(x.dtype)
+
+  return jax.tree.map(apply, tree)
+
+
 class _ScalesByValue:
   """`scale`/`unscale` by `self.loss_scale`, in at least float32."""
 
@@ -288,13 +389,11 @@ class _ScalesByValue:
 
   def scale(self, tree: T) -> T:
     """Multiplies the float and complex leaves of `tree` by the scale."""
-    scale = jnp.asarray(self.loss_scale, jnp.float32)
-    return _scale_leaves(tree, lambda x: x * scale.astype(x.dtype))
+    return _scale_leaves(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
     """Multiplies the float and complex leaves of `tree` by 1 / scale."""
-    inv = _reciprocal(self.loss_scale)
-    return _scale_leaves(tree, lambda x: x * inv.astype(x.dtype))
+    return _scale_leaves(tree, _reciprocal(self.loss_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +415,7 @@ class NoOpLossScale:
     return self
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class StaticLossScale(_ScalesByValue):
   """Scales and unscales by a fixed constant in [2**-126, 2**126].
 
@@ -348,9 +447,10 @@ class StaticLossScale(_ScalesByValue):
 
   loss_scale: float
 
-  def __init__(self, loss_scale: Any):
-    value = _scale_setting(loss_scale, "loss_scale", zero_ok="")
-    object.__setattr__(self, "loss_scale", value)
+  def __post_init__(self):
+    # Runs when a user builds one; JAX's unflatten bypasses __init__.
+    scale = _scale_setting(self.loss_scale, "loss_scale", zero_ok="")
+    object.__setattr__(self, "loss_scale", scale)
 
   def _check_nonzero(self) -> None:
     if self.loss_scale == 0:
@@ -374,120 +474,7 @@ class StaticLossScale(_ScalesByValue):
     return self
 
 
-# Settings of a DynamicLossScale, in the vocabulary of jmp (the class) and of
-# torch.amp/Megatron (the `dynamic_loss_scale` factory), for error messages.
-_SETTINGS = (
-  "period",
-  "factor",
-  "min_loss_scale",
-  "backoff_factor",
-  "max_loss_scale",
-  "hysteresis",
-  "consecutive_hysteresis",
-)
-_JMP_NAMES = {k: k for k in ("loss_scale", "counter", *_SETTINGS)}
-_TORCH_NAMES = {
-  **_JMP_NAMES,
-  "loss_scale": "init_scale",
-  "period": "growth_interval",
-  "factor": "growth_factor",
-  "min_loss_scale": "min_scale",
-  "max_loss_scale": "max_scale",
-}
-
-
-def _dynamic_fields(
-  names: dict[str, str],
-  loss_scale: Any,
-  counter: Any,
-  period: Any,
-  factor: Any,
-  min_loss_scale: Any,
-  backoff_factor: Any,
-  max_loss_scale: Any,
-  hysteresis: Any,
-  hysteresis_tracker: Any,
-  consecutive_hysteresis: Any,
-) -> dict[str, Any]:
-  """Validates a DynamicLossScale's arguments; returns its field values."""
-  n = names
-  period = _integer_setting(period, n["period"], 1, "finite steps per growth")
-  factor = _factor(factor, n["factor"], 1.0, math.inf)
-  if backoff_factor is not None:
-    backoff_factor = _factor(backoff_factor, n["backoff_factor"], 0.0, 1.0)
-  # jmp's min_loss_scale may be 0: the floor is then 2**-126.
-  min_scale = _scale_setting(
-    min_loss_scale,
-    n["min_loss_scale"],
-    zero_ok="the floor is then 2**-126",
-    warn_int=True,
-  )
-  if max_loss_scale is None or (
-    isinstance(max_loss_scale, numbers.Real) and max_loss_scale == math.inf
-  ):
-    max_scale = None
-  else:
-    max_scale = _scale_setting(max_loss_scale, n["max_loss_scale"])
-    if _f32(max_scale) < _f32(min_scale):
-      raise ValueError(
-        f"{n['max_loss_scale']} ({max_scale}) must be >= "
-        f"{n['min_loss_scale']} ({min_scale})."
-      )
-  hysteresis = _integer_setting(
-    hysteresis, n["hysteresis"], 1, "overflows tolerated before backing off"
-  )
-  consecutive = _bool_setting(
-    consecutive_hysteresis, n["consecutive_hysteresis"]
-  )
-  loss_scale, value = _scale_leaf(loss_scale, n["loss_scale"])
-  if value is not None:
-    value = _f32(value)
-    if value < _f32(min_scale):
-      raise ValueError(
-        f"{n['loss_scale']} ({value}) must be >= {n['min_loss_scale']} "
-        f"({min_scale}); lower {n['min_loss_scale']} to start below it."
-      )
-    if max_scale is not None and value > _f32(max_scale):
-      raise ValueError(
-        f"{n['loss_scale']} ({value}) must be <= {n['max_loss_scale']} "
-        f"({max_scale})."
-      )
-  counter = _count_leaf(
-    counter,
-    n["counter"],
-    period - 1,
-    f"finite steps since the last change, below {n['period']}",
-  )
-  if hysteresis == 1:
-    if hysteresis_tracker is not None:
-      raise ValueError(
-        "hysteresis_tracker is only tracked with hysteresis > 1 (with 1, "
-        f"every overflow backs off); got {hysteresis_tracker!r}: pass None."
-      )
-  elif hysteresis_tracker is None:
-    hysteresis_tracker = np.asarray(hysteresis, np.int32)
-  else:
-    hysteresis_tracker = _count_leaf(
-      hysteresis_tracker,
-      "hysteresis_tracker",
-      hysteresis,
-      "overflows left before backing off",
-    )
-  return dict(
-    loss_scale=loss_scale,
-    counter=counter,
-    period=period,
-    factor=factor,
-    min_loss_scale=min_scale,
-    backoff_factor=backoff_factor,
-    max_loss_scale=max_scale,
-    hysteresis=hysteresis,
-    hysteresis_tracker=hysteresis_tracker,
-    consecutive_hysteresis=consecutive,
-  )
-
-
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class DynamicLossScale(_ScalesByValue):
   """Dynamic loss scale with growth, backoff, hysteresis and min/max.
 
@@ -519,8 +506,9 @@ class DynamicLossScale(_ScalesByValue):
   spent by one overflow, so it is not tracked: `hysteresis_tracker` is None
   and the leaves are `loss_scale` (float32) and `counter` (int32), as in jmp;
   with `hysteresis>1`, `hysteresis_tracker` (int32) is a third leaf. The
-  settings are static fields. Prefer the `dynamic_loss_scale` factory, which
-  speaks torch.amp's vocabulary.
+  other fields are settings (static). Prefer the `dynamic_loss_scale`
+  factory, which speaks torch.amp's vocabulary; `dataclasses.replace`
+  adjusts a built one (and validates the result).
 
   Args:
     loss_scale: the initial scale: a real scalar (Python number or 0-d
@@ -557,72 +545,36 @@ class DynamicLossScale(_ScalesByValue):
     32768.0
   """
 
-  loss_scale: Any
-  counter: Any
-  period: int
-  factor: float
-  min_loss_scale: float
-  backoff_factor: float | None
-  max_loss_scale: float | None
-  hysteresis: int
-  hysteresis_tracker: Any
-  consecutive_hysteresis: bool
+  loss_scale: jax.typing.ArrayLike
+  counter: jax.typing.ArrayLike = 0
+  period: int = 2000
+  factor: float = 2
+  min_loss_scale: float = 1
+  _: dataclasses.KW_ONLY
+  backoff_factor: float | None = None
+  max_loss_scale: float | None = None
+  hysteresis: int = 1
+  hysteresis_tracker: jax.typing.ArrayLike | None = None
+  consecutive_hysteresis: bool = False
 
-  def __init__(
-    self,
-    loss_scale: jax.typing.ArrayLike,
-    counter: jax.typing.ArrayLike = 0,
-    period: int = 2000,
-    factor: float = 2,
-    min_loss_scale: float = 1,
-    *,
-    backoff_factor: float | None = None,
-    max_loss_scale: float | None = None,
-    hysteresis: int = 1,
-    hysteresis_tracker: jax.typing.ArrayLike | None = None,
-    consecutive_hysteresis: bool = False,
-  ):
-    fields = _dynamic_fields(
-      _JMP_NAMES,
-      loss_scale,
-      counter,
-      period,
-      factor,
-      min_loss_scale,
-      backoff_factor,
-      max_loss_scale,
-      hysteresis,
-      hysteresis_tracker,
-      consecutive_hysteresis,
-    )
-    for name, value in fields.items():
+  def __post_init__(self):
+    # Runs when a user builds one; JAX's unflatten bypasses __init__.
+    for name, value in _check_dynamic(vars(self), {}).items():
       object.__setattr__(self, name, value)
-
-  @property
-  def _ceiling(self) -> float:
-    if self.max_loss_scale is None:
-      return MAX_LOSS_SCALE
-    return min(self.max_loss_scale, MAX_LOSS_SCALE)
-
-  @property
-  def _floor(self) -> float:
-    return max(self.min_loss_scale, MIN_LOSS_SCALE)
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> DynamicLossScale:
     """Returns the next state, given whether this step's grads were finite."""
-    grads_finite = jnp.asarray(grads_finite)
-    if grads_finite.ndim != 0 or grads_finite.dtype != jnp.bool_:
-      raise _NotBooleanScalarError(
-        "adjust expected boolean scalar grads_finite (e.g. "
-        f"all_finite(grads)), got {grads_finite.dtype}"
-        f"{list(grads_finite.shape)}."
-      )
+    grads_finite = _boolean_scalar(
+      grads_finite, "adjust", "grads_finite (e.g. all_finite(grads))"
+    )
     scale = jnp.asarray(self.loss_scale, jnp.float32)
     counter = jnp.asarray(self.counter, jnp.int32)
+    ceiling = min(self.max_loss_scale or MAX_LOSS_SCALE, MAX_LOSS_SCALE)
+    floor = max(self.min_loss_scale, MIN_LOSS_SCALE)
 
     # Finite step: count, and grow once `period` finite steps have passed.
     grow = counter + 1 >= self.period
-    grown = jnp.minimum(scale * self.factor, self._ceiling)
+    grown = jnp.minimum(scale * self.factor, ceiling)
     ok_scale = jnp.where(grow, grown, scale)
     ok_counter = jnp.where(grow, 0, counter + 1)
 
@@ -631,7 +583,7 @@ class DynamicLossScale(_ScalesByValue):
       backed = scale / self.factor
     else:
       backed = scale * self.backoff_factor
-    backed = jnp.maximum(backed, self._floor)
+    backed = jnp.maximum(backed, floor)
     if self.hysteresis == 1:
       bad_scale, tracker = backed, None
     else:
@@ -644,51 +596,25 @@ class DynamicLossScale(_ScalesByValue):
 
     return _new(
       type(self),
-      loss_scale=jnp.where(grads_finite, ok_scale, bad_scale),
-      counter=jnp.where(grads_finite, ok_counter, 0),
-      hysteresis_tracker=tracker,
-      **{k: getattr(self, k) for k in _SETTINGS},
+      **{
+        **vars(self),
+        "loss_scale": jnp.where(grads_finite, ok_scale, bad_scale),
+        "counter": jnp.where(grads_finite, ok_counter, 0),
+        "hysteresis_tracker": tracker,
+      },
     )
 
 
-def _flatten_dynamic(ls: DynamicLossScale):
-  leaves = (ls.loss_scale, ls.counter)
-  if ls.hysteresis > 1:
-    leaves += (ls.hysteresis_tracker,)
-  return leaves, tuple(getattr(ls, k) for k in _SETTINGS)
+def _dynamic_leaves(ls: DynamicLossScale) -> tuple[str, ...]:
+  # With hysteresis 1 the budget is not tracked: jmp's two leaves.
+  if ls.hysteresis == 1:
+    return ("loss_scale", "counter")
+  return ("loss_scale", "counter", "hysteresis_tracker")
 
 
-def _flatten_dynamic_with_keys(ls: DynamicLossScale):
-  leaves, settings = _flatten_dynamic(ls)
-  names = ("loss_scale", "counter", "hysteresis_tracker")[: len(leaves)]
-  keys = (jax.tree_util.GetAttrKey(k) for k in names)
-  keyed = tuple(zip(keys, leaves, strict=True))
-  return keyed, settings
-
-
-def _unflatten_dynamic(settings, leaves) -> DynamicLossScale:
-  loss_scale, counter, *tracker = leaves
-  return _new(
-    DynamicLossScale,
-    loss_scale=loss_scale,
-    counter=counter,
-    hysteresis_tracker=tracker[0] if tracker else None,
-    **dict(zip(_SETTINGS, settings, strict=True)),
-  )
-
-
-jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
-jax.tree_util.register_pytree_node(
-  StaticLossScale,
-  lambda ls: ((), ls.loss_scale),
-  lambda scale, _: _new(StaticLossScale, loss_scale=scale),
-)
-jax.tree_util.register_pytree_with_keys(
-  DynamicLossScale,
-  _flatten_dynamic_with_keys,
-  _unflatten_dynamic,
-  _flatten_dynamic,
-)
+_register(NoOpLossScale, lambda ls: ())
+_register(StaticLossScale, lambda ls: ())
+_register(DynamicLossScale, _dynamic_leaves)
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
@@ -742,8 +668,7 @@ def dynamic_loss_scale(
     >>> float(ls.loss_scale), ls.period, ls.backoff_factor
     (65536.0, 1000, 0.5)
   """
-  fields = _dynamic_fields(
-    _TORCH_NAMES,
+  fields = dict(
     loss_scale=init_scale,
     counter=0,
     period=growth_interval,
@@ -755,7 +680,14 @@ def dynamic_loss_scale(
     hysteresis_tracker=None,
     consecutive_hysteresis=consecutive_hysteresis,
   )
-  return _new(DynamicLossScale, **fields)
+  torch_names = dict(
+    loss_scale="init_scale",
+    period="growth_interval",
+    factor="growth_factor",
+    min_loss_scale="min_scale",
+    max_loss_scale="max_scale",
+  )
+  return _new(DynamicLossScale, **_check_dynamic(fields, torch_names))
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -770,10 +702,10 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
     False
   """
-  leaves = [x for x in jax.tree.leaves(tree) if _is_inexact_array(x)]
-  if not leaves:
+  found = [x for x in jax.tree.leaves(tree) if leaves.is_inexact(x)]
+  if not found:
     return jnp.array(True)
-  return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+  return jnp.stack([jnp.isfinite(x).all() for x in found]).all()
 
 
 def select_tree(pred: jax.typing.ArrayLike, a: T, b: T) -> T:
@@ -791,12 +723,7 @@ def select_tree(pred: jax.typing.ArrayLike, a: T, b: T) -> T:
     ValueError: if `pred` is not a boolean scalar (the error is also an
       `AssertionError`, which jmp raises) or the trees differ.
   """
-  pred = jnp.asarray(pred)
-  if pred.ndim != 0 or pred.dtype != jnp.bool_:
-    raise _NotBooleanScalarError(
-      "select_tree expected boolean scalar pred, got "
-      f"{pred.dtype}{list(pred.shape)}."
-    )
+  pred = _boolean_scalar(pred, "select_tree", "pred")
   tree_a, tree_b = jax.tree.structure(a), jax.tree.structure(b)
   if tree_a != tree_b:
     raise ValueError(

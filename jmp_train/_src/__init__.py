@@ -1,0 +1,1 @@
+"""The implementation of jmp_train; the public modules are thin faces over it."""

@@ -1,0 +1,248 @@
+"""Per-device memory and communication accounting for a train step.
+
+`memory_table(plan, state)` counts, per device, the bytes of params,
+gradients, master weights, optimizer state and the rest of the train state
+from the shardings a `zero1.Plan` gives them (like NeMo RL's memory tables);
+`compiled_memory(step, state, batch)` reads what XLA allocates for the
+compiled step (`memory_analysis()`), to check the table against.
+`collective_stats(hlo_text, n)` counts the collectives in an HLO module and
+the bytes each device sends for them.
+
+Everything here reads shapes, shardings and compiled programs; nothing
+allocates a state or changes how JAX is configured. The command-line table
+for GPT-2 sizes is `benchmarks/memory_table.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax
+
+from jmp_train._src import leaves, zero1
+from jmp_train._src.optimizer_state import MixedPrecisionState
+
+
+def _is_mixed_precision_state(x: Any) -> bool:
+  return isinstance(x, MixedPrecisionState)
+
+
+def _device_bytes(x: Any) -> int:
+  """Bytes of the largest shard of `x` (all of it without a sharding)."""
+  sharding = getattr(x, "sharding", None)
+  shape = sharding.shard_shape(tuple(x.shape)) if sharding else x.shape
+  # `dtype.itemsize`, not np.dtype(...): typed PRNG keys have one too.
+  return math.prod(shape) * x.dtype.itemsize
+
+
+def _tree_bytes(tree: Any) -> int:
+  return sum(_device_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    tree,
+    shardings,
+  )
+
+
+def memory_table(
+  plan: zero1.Plan | None, state: Any, *, accum_steps: int = 1
+) -> dict[str, int]:
+  """Bytes per device of each part of a train state laid out by `plan`.
+
+  Counts the largest shard of every leaf under the plan's shardings (the
+  optimizer state padded as ZeRO-1 stores it); nothing is allocated.
+
+  Args:
+    plan: a `jmp_train.zero1.Plan`, or None for one device.
+    state: a `jmp_train.train.TrainState` holding the logical optimizer
+      state (as `TrainState.create` without a plan builds it), concrete or
+      abstract: `jax.eval_shape(lambda p: TrainState.create(params=p,
+      tx=tx), params)` needs no memory.
+    accum_steps: micro-batches per step; above 1 the step keeps a float32
+      gradient buffer.
+
+  Returns:
+    A dict with `params`; `gradients` (one copy of the gradients in the
+    params' dtypes, the buffer the backward pass fills, or the float32
+    accumulation buffer when `accum_steps > 1`); `master_weights` (the
+    float32 copies `mixed_precision` keeps); `optimizer_state` (the rest of
+    the optimizer state); `other_state` (model state such as BatchNorm
+    statistics, FP8 metadata, the step counter and the PRNG key); and
+    `total`. The compiled step's argument bytes are `total - gradients`
+    plus the batch's.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jmp_train
+    >>> tx = jmp_train.mixed_precision(optax.sgd(0.1))
+    >>> params = {"w": jax.ShapeDtypeStruct((256,), jnp.bfloat16)}
+    >>> state = jax.eval_shape(
+    ...     lambda p: jmp_train.train.TrainState.create(params=p, tx=tx),
+    ...     params)
+    >>> table = memory_table(None, state)
+    >>> table["params"], table["master_weights"]
+    (512, 1024)
+  """
+  accum_steps = leaves.check_int(accum_steps, "accum_steps", 1)
+  if plan is None:
+    stored = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state
+    )
+    param_shardings = jax.tree.map(lambda _: None, state.params)
+  else:
+    zero1.check_tree(
+      state.opt_state,
+      plan.logical_opt_state,
+      "state.opt_state",
+      "Pass the logical state of this plan's optimizer and params (built "
+      "without a plan, or zero1.to_logical of a laid-out one).",
+    )
+    stored = zero1.abstract(plan, state)
+    param_shardings = plan.param_shardings
+  master = sum(
+    _tree_bytes(s.master_params)
+    for s in jax.tree.leaves(
+      stored.opt_state, is_leaf=_is_mixed_precision_state
+    )
+    if _is_mixed_precision_state(s)
+  )
+
+  def grad(p):
+    dtype = p.dtype
+    if accum_steps > 1 and leaves.is_float(p):
+      dtype = leaves.full_dtype(dtype)
+    return jax.ShapeDtypeStruct(p.shape, dtype)
+
+  grads = _with_shardings(jax.tree.map(grad, state.params), param_shardings)
+  table = {
+    "params": _tree_bytes(stored.params),
+    "gradients": _tree_bytes(grads),
+    "master_weights": master,
+    "optimizer_state": _tree_bytes(stored.opt_state) - master,
+    "other_state": _tree_bytes(
+      (stored.model_state, stored.fp8, stored.step, stored.key)
+    ),
+  }
+  table["total"] = sum(table.values())
+  return table
+
+
+def compiled_memory(step: Any, state: Any, batch: Any) -> dict[str, int]:
+  """What XLA allocates per device for the compiled step.
+
+  Args:
+    step: a jitted step (`jmp_train.train.make_train_step`).
+    state: the state it takes, concrete or abstract (for a plan's layout,
+      `zero1.abstract(plan, state)`).
+    batch: a batch, concrete or `jax.ShapeDtypeStruct`s.
+
+  Returns:
+    `argument` (the train state and the batch), `output`, `temp`
+    (activations, gradients, workspace) and `alias` bytes from
+    `step.lower(state, batch).compile().memory_analysis()`.
+  """
+  analysis = step.lower(state, batch).compile().memory_analysis()
+  return {
+    "argument": int(analysis.argument_size_in_bytes),
+    "output": int(analysis.output_size_in_bytes),
+    "temp": int(analysis.temp_size_in_bytes),
+    "alias": int(analysis.alias_size_in_bytes),
+  }
+
+
+class Collective(NamedTuple):
+  """One collective op of an HLO module.
+
+  `bytes` is the data each device sends with a ring algorithm: an all-reduce
+  of S bytes over g devices sends 2 S (g-1)/g, a reduce-scatter of S input
+  bytes or an all-gather of S output bytes sends S (g-1)/g.
+  """
+
+  kind: str
+  shape_bytes: int
+  group_size: int
+  bytes: float
+  max_elements: int  # the largest operand's element count (1: scalars)
+
+
+_OP = re.compile(
+  r"= (?P<type>.+?) (?P<kind>all-reduce|reduce-scatter|all-gather|"
+  r"all-to-all|collective-permute)(?:-start)?\((?P<args>[^)]*)\)(?P<rest>.*)$"
+)
+_SHAPE = re.compile(
+  r"(pred|bf16|f16|f32|f64|s8|s16|s32|s64|u8|u32|f8\w*)\[([\d,]*)\]"
+)
+_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1,
+             "s16": 2, "s32": 4, "s64": 8, "u8": 1, "u32": 4}  # fmt: skip
+
+
+def _shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    size = math.prod(int(d) for d in dims.split(",") if d)
+    total += size * _ITEMSIZE.get(dtype, 1)
+  return total
+
+
+def _max_elements(text: str) -> int:
+  return max(
+    (
+      math.prod(int(d) for d in dims.split(",") if d)
+      for _, dims in _SHAPE.findall(text)
+    ),
+    default=0,
+  )
+
+
+def _group_size(rest: str, num_devices: int) -> int:
+  m = re.search(r"replica_groups=\{\{([\d,]+)\}", rest)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
+  if m:
+    return int(m.group(2))
+  return num_devices
+
+
+def collective_stats(hlo_text: str, num_devices: int) -> list[Collective]:
+  """The collectives of an HLO module's text (`compiled.as_text()`)."""
+  found = []
+  for line in hlo_text.splitlines():
+    m = _OP.search(line)
+    if not m:
+      continue
+    kind = m.group("kind")
+    g = _group_size(m.group("rest"), num_devices)
+    out_bytes = _shape_bytes(m.group("type"))
+    if kind == "reduce-scatter":
+      size = out_bytes * g  # the input
+      sent = size * (g - 1) / g
+    elif kind == "all-reduce":
+      size = out_bytes
+      sent = 2 * size * (g - 1) / g
+    else:
+      size = out_bytes
+      sent = size * (g - 1) / g
+    found.append(
+      Collective(kind, size, g, sent, _max_elements(m.group("type")))
+    )
+  return found
+
+
+def summarize_collectives(found: list[Collective]) -> dict[str, dict]:
+  """Count and bytes sent per collective kind, plus `total_bytes`."""
+  out: dict[str, Any] = {}
+  for c in found:
+    entry = out.setdefault(
+      c.kind, {"count": 0, "bytes": 0.0, "largest": 0, "max_elements": 0}
+    )
+    entry["count"] += 1
+    entry["bytes"] += c.bytes
+    entry["largest"] = max(entry["largest"], c.shape_bytes)
+    entry["max_elements"] = max(entry["max_elements"], c.max_elements)
+  out["total_bytes"] = sum(c.bytes for c in found)
+  return out

@@ -1,0 +1,157 @@
+"""Monitoring inside jit: non-finite gradients per leaf, zeros, loss-scale alarms.
+
+Every function that takes arrays returns arrays and works under `jax.jit`
+without a host sync. The host sees nothing until it asks: `nonfinite_report`
+(a dict of paths, after `jax.device_get`) and `warn_loss_scale` (a Python
+warning raised from inside jit by `jax.debug.callback`, only on steps where an
+alarm is on).
+
+    grads = jax.grad(scaled_loss)(params)
+    counts = monitor.nonfinite_counts(grads)       # per leaf, int32, in jit
+    zeros = monitor.num_zeros(grads)               # int32, in jit
+    updates, opt_state = tx.update(grads, opt_state, params)
+    alarms = monitor.warn_loss_scale(opt_state)    # bools; a host warning
+                                                   # only on alarmed steps
+    ...
+    print(monitor.nonfinite_report(counts))        # on the host, when asked:
+    # {'blocks/0/mlp/kernel': 12, 'head/bias': 3}
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmp_train._src import leaves, optimizer_state
+from jmp_train._src import loss_scale as ls_lib
+
+
+def _float_leaves_map(fn, tree: Any) -> Any:
+  """`fn` on each float leaf; None elsewhere (integers, booleans)."""
+  return jax.tree.map(
+    lambda x: fn(jnp.asarray(x)) if leaves.is_float(x) else None, tree
+  )
+
+
+def nonfinite_counts(tree: Any) -> Any:
+  """Per float leaf, the number of inf/NaN elements (int32); None elsewhere.
+
+  Same structure as `tree`. Under a mesh, a sharded leaf's count is global
+  (the sum runs over the whole logical array).
+  """
+  return _float_leaves_map(
+    lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32), tree
+  )
+
+
+def num_zeros(tree: Any) -> jax.Array:
+  """Number of elements equal to zero over all float leaves (int32 scalar).
+
+  Colossal-AI's and Megatron's `log_num_zeros_in_grad`: a rising count in
+  the gradients of a low-precision run shows underflow (loss scale too low,
+  or float16 gradients flushed to zero). Counts up to 2**31 - 1 elements.
+  """
+  counts = _float_leaves_map(lambda x: jnp.sum(x == 0, dtype=jnp.int32), tree)
+  return sum(jax.tree.leaves(counts), jnp.zeros([], jnp.int32))
+
+
+def nonfinite_report(counts: Any) -> dict[str, int]:
+  """On the host: `{"a/b/c": count}` for the leaves of `nonfinite_counts` > 0.
+
+  Syncs with the device (it reads the counts). Paths join the tree's keys
+  with "/"; an empty dict means every gradient was finite.
+  """
+  counts = jax.device_get(counts)
+  report = {}
+  for path, count in jax.tree_util.tree_flatten_with_path(counts)[0]:
+    if count is not None and int(count) > 0:
+      report[leaves.keystr(path)] = int(count)
+  return report
+
+
+def loss_scale_alarms(
+  opt_state: Any, *, falling_streak: int = 5
+) -> dict[str, jax.Array]:
+  """Loss-scale health from a state holding `mixed_precision`, as bools.
+
+  Args:
+    opt_state: an optimizer state containing one `mixed_precision` state
+      (anywhere in a chain, or an `nnx.Optimizer`'s `opt_state`).
+    falling_streak: how many consecutive skipped steps count as "keeps
+      falling" (with hysteresis 1 each skipped step halves the scale).
+
+  Returns:
+    `{"falling": ..., "at_minimum": ...}`, bool scalars: `falling` when the
+    last `falling_streak` or more steps were all skipped; `at_minimum` when a
+    dynamic loss scale sits at its `min_scale` and the last step was skipped
+    anyway (the run is no longer making progress; DeepSpeed stops here).
+    Always False for static and no-op loss scales' `at_minimum`.
+  """
+  if isinstance(falling_streak, bool) or not isinstance(falling_streak, int):
+    raise TypeError(
+      f"falling_streak must be an int >= 1, got {falling_streak!r}."
+    )
+  if falling_streak < 1:
+    raise ValueError(f"falling_streak must be >= 1, got {falling_streak}.")
+  state = optimizer_state.find_state(opt_state)
+  streak = jnp.asarray(state.skip_streak)
+  scaler = state.loss_scaler
+  if isinstance(scaler, ls_lib.DynamicLossScale):
+    floor = max(scaler.min_loss_scale, ls_lib.MIN_LOSS_SCALE)
+    at_min = jnp.asarray(scaler.loss_scale) <= floor
+    at_min = at_min & (streak > 0)
+  else:
+    at_min = jnp.zeros([], jnp.bool_)
+  return {"falling": streak >= falling_streak, "at_minimum": at_min}
+
+
+def _emit(dynamic: bool, falling, at_minimum, scale, streak) -> None:
+  if at_minimum:
+    warnings.warn(
+      f"jmp_train: loss scale is at its minimum ({float(scale):g}) and "
+      f"gradients are still non-finite ({int(streak)} skipped steps in a "
+      "row): the model itself produces inf/NaN; see "
+      "jmp_train.monitor.nonfinite_report.",
+      RuntimeWarning,
+      stacklevel=2,
+    )
+  elif falling:
+    what = "loss scale keeps falling" if dynamic else "steps keep failing"
+    warnings.warn(
+      f"jmp_train: {what} ({int(streak)} skipped steps in a row, loss scale "
+      f"now {float(scale):g}).",
+      RuntimeWarning,
+      stacklevel=2,
+    )
+
+
+def warn_loss_scale(opt_state: Any, *, falling_streak: int = 5) -> dict:
+  """`loss_scale_alarms`, plus a host `RuntimeWarning` when one is on.
+
+  Inside jit this costs a `lax.cond`: the host callback
+  (`jax.debug.callback`) runs only on steps where an alarm is on, so healthy
+  steps never sync. Returns the alarms, for logging.
+  """
+  alarms = loss_scale_alarms(opt_state, falling_streak=falling_streak)
+  state = optimizer_state.find_state(opt_state)
+  scale = jnp.asarray(state.loss_scaler.loss_scale, jnp.float32)
+  streak = jnp.asarray(state.skip_streak)
+  falling, at_minimum = alarms["falling"], alarms["at_minimum"]
+  jax.lax.cond(
+    falling | at_minimum,
+    lambda: jax.debug.callback(
+      functools.partial(
+        _emit, isinstance(state.loss_scaler, ls_lib.DynamicLossScale)
+      ),
+      falling,
+      at_minimum,
+      scale,
+      streak,
+    ),
+    lambda: None,
+  )
+  return alarms

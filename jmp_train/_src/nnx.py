@@ -1,0 +1,467 @@
+"""Apply a `Policy` to a whole flax.nnx model, user-written modules included.
+
+`wrap(model, policy)` converts `model` in place (NNX modules are mutable
+objects, like `nnx.Optimizer` and `set_attributes` treat them) and returns it.
+Its variables keep their structure, and afterwards:
+
+- every float `nnx.Param` is stored in the param dtype of the module that owns
+  it (the policy's, or its class override's);
+- every module's float `dtype` and `param_dtype` attributes (and those of a
+  dataclass attribute such as a `config` carrying them) are its owner's
+  policy's compute and param dtypes, so a layer built with
+  `dtype=jnp.float32` computes in the compute dtype;
+- while the model runs, every float param reads as the running module's
+  compute dtype (`self.w.value`, `self.w[...]`, in built-in layers and in
+  user-written modules that call `jnp` directly), and gradients flow back
+  through the cast, so they come back in the params' dtype;
+- the model's float inputs are cast to the compute dtype and its float outputs
+  to the output dtype, for `__call__` and for its other methods called from
+  outside (`model.encode(x)`); other arguments (`nnx.Rngs`, `nnx.Variable`s,
+  modules) pass through by reference;
+- modules whose class has an override (by default LayerNorm, RMSNorm,
+  BatchNorm and GroupNorm: float32 params and compute) get their inputs cast
+  to the override's compute dtype and their outputs back to the enclosing
+  compute dtype (or to the override's output dtype for user overrides);
+- other variables (`nnx.BatchStat`, RNG state, counters) keep their dtypes.
+
+How: the model's class, and the class of each overridden module inside it, is
+swapped for a cached subclass whose public methods apply the policy, and each
+float param's class for a cached subclass of its own (still an `nnx.Param`)
+whose `get_value` casts to the running module's compute dtype while a wrapped
+call is running, like linen's `self.param`. Nothing is mutated during a call,
+so `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.grad`, `nnx.Optimizer` and plain
+`jax.jit` over a closure all see an ordinary model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import inspect
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import flax.nnx as nnx
+import numpy as np
+from flax.nnx import graph as nnx_graph
+
+from jmp_train._src import policy as policy_lib
+
+DEFAULT_FLOAT32_MODULES = (
+  nnx.LayerNorm,
+  nnx.RMSNorm,
+  nnx.BatchNorm,
+  nnx.GroupNorm,
+)
+
+_CONFIG = "_jmp_train_policy"
+# A module's dtype attributes as written, for a later wrap: ((name, value), ...)
+_ORIGINAL_DTYPES = "_jmp_train_dtypes"
+
+
+class _Config(NamedTuple):
+  """What a converted module applies; a static (hashable) module attribute."""
+
+  policy: policy_lib.Policy
+  output_to_enclosing: bool  # defaults return to the enclosing compute dtype
+  is_root: bool  # the module `wrap` was called on
+  arguments: tuple = ()  # a root's other `wrap` arguments, as (name, value)
+
+
+class _Context(threading.local):
+  def __init__(self):
+    self.policies: list[policy_lib.Policy] = []  # running modules' policies
+    self.modules: list[nnx.Module] = []  # the converted modules running
+
+
+_CTX = _Context()
+
+
+def _find_override(module: nnx.Module, overrides) -> tuple | None:
+  by_class = {o[0]: o for o in overrides}
+  for cls in type(module).__mro__:
+    if cls in by_class:
+      return by_class[cls]
+  return None
+
+
+def _owners(model: nnx.Module) -> tuple[list, list]:
+  """Each module's and each float param's owner config.
+
+  The owner is the nearest enclosing module (itself included) converted by
+  `wrap`: the root's, an override's or an inner `wrap`'s.
+
+  Returns:
+    `(modules, params)`: a list of (module, owner config, whether an inner
+    wrap encloses it, its path) and a list of (param, owner config), each
+    node once.
+  """
+  configs: dict[tuple, _Config] = {}
+  modules: dict[int, tuple] = {}
+  params: dict[int, tuple] = {}
+  for path, node in nnx.iter_graph(model):
+    path = tuple(path)
+    if isinstance(node, nnx.Module):
+      config = getattr(node, _CONFIG, None)
+      if config is not None:
+        configs[path] = config
+      modules.setdefault(id(node), (node, path))
+    elif isinstance(node, nnx.Param) and policy_lib._is_castable(
+      node.get_value()
+    ):
+      params.setdefault(id(node), (node, path))
+
+  def owner(path: tuple, end: int) -> _Config:
+    return next(
+      configs[path[:e]] for e in range(end, -1, -1) if path[:e] in configs
+    )
+
+  def in_inner_wrap(path: tuple) -> bool:
+    return any(
+      path[:e] in configs and configs[path[:e]].is_root
+      for e in range(1, len(path) + 1)
+    )
+
+  return (
+    [(m, owner(p, len(p)), in_inner_wrap(p), p) for m, p in modules.values()],
+    [(v, owner(p, len(p) - 1)) for v, p in params.values()],
+  )
+
+
+def _selectors(items: Any) -> tuple:
+  """`respect_dtype_fields`' module classes and path patterns, validated."""
+  if isinstance(items, (str, type)):
+    items = (items,)
+  try:
+    items = tuple(items)
+  except TypeError:
+    items = (items,)
+  for item in items:
+    if not (
+      isinstance(item, str)
+      or (isinstance(item, type) and issubclass(item, nnx.Module))
+    ):
+      raise TypeError(
+        "respect_dtype_fields takes True/False, or flax.nnx Module classes "
+        f"and path patterns (str), got {item!r}."
+      )
+  return items
+
+
+def _selected(module: nnx.Module, path: tuple, item: type | str) -> bool:
+  """Whether `item` (a class, or a pattern on the module's attribute name or
+  its "/"-joined path, as linen matches names and paths) selects `module`."""
+  if isinstance(item, type):
+    return isinstance(module, item)
+  names = ["/".join(map(str, path)), *(map(str, path[-1:]))]
+  return any(fnmatch.fnmatchcase(name, item) for name in names)
+
+
+def _respected(modules: list, respect: bool | tuple):
+  """`modules` (from `_owners`) with whether each keeps its dtype attributes:
+  all with True; with selectors, those matching and everything inside them."""
+  matched = [
+    path
+    for module, _, _, path in modules
+    if respect is not True
+    and any(_selected(module, path, item) for item in respect or ())
+  ]
+  for module, config, in_inner_wrap, path in modules:
+    inside = any(path[: len(m)] == m for m in matched)
+    yield module, config, in_inner_wrap, respect is True or inside
+
+
+def _set_dtype_attributes(module: nnx.Module, policy) -> None:
+  """Gives `module` the dtype attributes it has as written, then `policy`'s.
+
+  With `policy` None, only the attributes as written are restored.
+  """
+  if _ORIGINAL_DTYPES in vars(module):
+    for name, value in getattr(module, _ORIGINAL_DTYPES):
+      setattr(module, name, value)
+    object.__delattr__(module, _ORIGINAL_DTYPES)
+  if policy is None:
+    return
+  attributes = vars(module)
+  updates = policy_lib._dtype_updates(attributes, policy)
+  for name, value in attributes.items():
+    if (
+      name.startswith("_pytree__")
+      or name in updates
+      or isinstance(value, type)
+      or not dataclasses.is_dataclass(value)
+      or nnx_graph.is_graph_node(value)
+    ):
+      continue
+    config = policy_lib._with_policy_dtypes(value, policy)
+    if config is not None:  # a config carrying dtypes, read at call time
+      updates[name] = config
+  originals = tuple((name, attributes[name]) for name in sorted(updates))
+  for name, value in updates.items():
+    setattr(module, name, value)
+  if originals:
+    object.__setattr__(module, _ORIGINAL_DTYPES, originals)
+
+
+def _cast_arrays(tree: Any, dtype: Any) -> Any:
+  """Float arrays cast to `dtype`; NNX graph nodes passed by reference."""
+  return policy_lib._cast_arrays(tree, dtype, nnx_graph.is_graph_node)
+
+
+def _run(self, base, args, kwargs):
+  """Calls `base`, a method of converted module `self`, under its policy."""
+  config: _Config = getattr(self, _CONFIG)
+  policy, policies = config.policy, _CTX.policies
+  if not policies and not config.is_root:
+    return base(*args, **kwargs)  # an inner module, called on its own
+  if any(m is self for m in _CTX.modules):
+    return base(*args, **kwargs)  # one of its methods calls another
+  enclosing = policies[-1].compute_dtype if policies else None
+  args = tuple(_cast_arrays(a, policy.compute_dtype) for a in args)
+  kwargs = {k: _cast_arrays(v, policy.compute_dtype) for k, v in kwargs.items()}
+  policies.append(policy)
+  _CTX.modules.append(self)
+  try:
+    out = base(*args, **kwargs)
+  finally:
+    policies.pop()
+    _CTX.modules.pop()
+  if config.output_to_enclosing and enclosing is not None:
+    return _cast_arrays(out, enclosing)
+  return _cast_arrays(out, policy.output_dtype)
+
+
+def _policy_method(name: str, fn):
+  """Method `name` of a module class (`fn`), run under the module's policy."""
+
+  def method(self, *args, **kwargs):
+    return _run(self, getattr(super(type(self), self), name), args, kwargs)
+
+  return functools.wraps(fn)(method) if fn is not None else method
+
+
+def _cast_on_read(self, **kwargs):
+  value = super(type(self), self).get_value(**kwargs)
+  policies = _CTX.policies
+  if not policies:
+    return value
+  return policy_lib.cast_floating(value, policies[-1].compute_dtype)
+
+
+def _policy_methods(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
+  """`__call__` and the methods `names` of `cls`, to run under a policy."""
+  methods = {"__call__": inspect.getattr_static(cls, "__call__", None)}
+  for name in names:
+    fn = inspect.getattr_static(cls, name, None)
+    if not inspect.isfunction(fn):
+      raise ValueError(
+        f"methods: {name!r} is not a method of {cls.__name__} (got {fn!r}); "
+        "name the model's own methods that compute, such as 'encode'."
+      )
+    methods[name] = fn
+  return methods
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _subclass(cls: type, kind: str, methods: Mapping[str, Any]) -> type:
+  """`cls` with `methods` replaced; one cached class per (cls, kind).
+
+  Same name, module and slots, so the instance's class can be swapped and
+  graphdefs (which record the class) stay equal across wraps.
+  """
+  if getattr(cls, "_jmp_train_kind", None) == kind:
+    return cls
+  key = (cls, kind)
+  if key not in _CLASSES:
+    _CLASSES[key] = type(cls)(
+      cls.__name__,
+      (cls,),
+      {
+        **methods,
+        "_jmp_train_kind": kind,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__slots__": (),
+      },
+    )
+  return _CLASSES[key]
+
+
+def _original_class(cls: type) -> type:
+  """The class as written, under the subclasses `wrap` swapped in."""
+  while getattr(cls, "_jmp_train_kind", None) is not None:
+    cls = cls.__mro__[1]
+  return cls
+
+
+def _unconvert(module: nnx.Module) -> None:
+  object.__setattr__(module, "__class__", _original_class(type(module)))
+  object.__delattr__(module, _CONFIG)
+
+
+def _wrap_arguments(model: nnx.Module) -> dict[str, Any]:
+  """The `overrides`, `methods` and `respect_dtype_fields` that `model` was
+  last wrapped with (empty if it was not), to wrap it again alike."""
+  config = getattr(model, _CONFIG, None)
+  if config is None or not config.is_root:
+    return {}
+  arguments = dict(config.arguments)
+  arguments["overrides"] = dict(arguments["overrides"]) or None
+  return arguments
+
+
+def _convert(
+  module: nnx.Module, config: _Config, names: tuple[str, ...] = ()
+) -> None:
+  cls = _original_class(type(module))
+  methods = {
+    name: _policy_method(name, fn)
+    for name, fn in _policy_methods(cls, names).items()
+  }
+  kind = "module:" + ",".join(names)
+  object.__setattr__(module, "__class__", _subclass(cls, kind, methods))
+  object.__setattr__(module, _CONFIG, config)
+
+
+def _override_table(policy, overrides) -> tuple:
+  float32 = np.dtype(np.float32)
+  table: dict[type, tuple] = {
+    cls: (cls, policy_lib.Policy(float32, float32, policy.compute_dtype), True)
+    for cls in DEFAULT_FLOAT32_MODULES
+  }
+  for cls, value in (overrides or {}).items():
+    if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+      raise TypeError(
+        f"overrides keys must be flax.nnx Module classes, got {cls!r}."
+      )
+    if value is None:
+      table.pop(cls, None)
+    else:
+      table[cls] = (cls, policy_lib.get_policy(value), False)
+  return tuple(table.values())
+
+
+def wrap(
+  model: nnx.Module,
+  policy: policy_lib.Policy | str,
+  overrides: Mapping[type, policy_lib.Policy | str | None] | None = None,
+  *,
+  methods: Iterable[str] = (),
+  respect_dtype_fields: bool | Iterable[type | str] = False,
+) -> nnx.Module:
+  """Converts `model` in place to run under `policy`, and returns it.
+
+  Under the policy every module computes in its compute dtype and stores its
+  params in its param dtype, whatever it was built with: a float `dtype` or
+  `param_dtype` attribute (`nnx.Linear(..., dtype=jnp.float32)`), and those
+  of a dataclass attribute such as a `config` carrying them, are set to the
+  policy's (the override's, for an overridden module); None and non-float
+  values are left alone. The values as written are remembered, so wrapping
+  again (with another policy, or `respect_dtype_fields=True`) starts from
+  them.
+
+  Args:
+    model: any flax.nnx module (built-in layers and user-written modules).
+    policy: a `Policy` or a policy string such as `"p=f32,c=bf16,o=f32"`.
+    overrides: maps module classes to the policy their instances (and the
+      modules inside them) use; subclasses match too, the most specific class
+      wins. They extend the defaults, which keep LayerNorm, RMSNorm, BatchNorm
+      and GroupNorm in float32 (params and compute) and return their outputs
+      in the enclosing compute dtype; map a class to None to drop its default.
+      A user override returns outputs in its policy's output dtype. Modules
+      inside `model` that were wrapped before keep their own policy.
+    methods: names of the model's methods, besides `__call__`, that apply
+      the policy when called from outside (`("encode", "decode")`). Other
+      methods (getters, setters, a regulariser reading the params) run
+      as written: the policy casts their arguments and reads, which would
+      round a float32 value a setter stores.
+    respect_dtype_fields: keep modules' own `dtype`/`param_dtype` attributes
+      (Flax's behaviour without a policy): True for every module, or module
+      classes and patterns matched against the "/"-joined attribute path
+      (`"head"`, `"blocks/*/mlp"`) for those modules and everything inside
+      them. A layer built with `dtype=jnp.float32` then computes in float32,
+      since Flax casts its inputs and params back; its params are still
+      stored in the param dtype and read in the compute dtype (use
+      `overrides` for a module that must keep float32 params too).
+
+  Returns:
+    `model` itself: same object, same attributes, same `nnx.state` structure,
+    its float params stored in their owners' param dtypes. `__call__` and the
+    `methods` named apply the policy when called from outside; float arrays
+    among their arguments are cast, other arguments (`nnx.Rngs`,
+    `nnx.Variable`s, modules) are passed as they are.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, numpy as np, jmp_train
+    >>> class MLP(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.dense = nnx.Linear(4, 8, dtype=jnp.float32, rngs=rngs)
+    ...     self.norm = nnx.LayerNorm(8, rngs=rngs)
+    ...   def __call__(self, x):
+    ...     return self.norm(self.dense(x))
+    >>> model = jmp_train.nnx.wrap(MLP(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
+    >>> model.dense.kernel.dtype, model.norm.scale.dtype
+    (dtype(bfloat16), dtype('float32'))
+    >>> np.dtype(model.dense.dtype).name  # built float32, computes bfloat16
+    'bfloat16'
+    >>> model(jnp.ones((1, 4))).dtype
+    dtype('float32')
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"wrap expects a flax.nnx Module, got {model!r}.")
+  policy = policy_lib.get_policy(policy)
+  table = _override_table(policy, overrides)
+  if isinstance(methods, str):
+    methods = (methods,)
+  if isinstance(methods, Iterable):
+    methods = tuple(methods)
+  if not isinstance(methods, tuple) or not all(
+    isinstance(m, str) for m in methods
+  ):
+    raise TypeError(
+      f"methods takes names of the model's methods (str), got {methods!r}."
+    )
+  respect = respect_dtype_fields
+  if not isinstance(respect, bool):
+    respect = _selectors(respect)
+  modules = [
+    (tuple(path), node)
+    for path, node in nnx.iter_graph(model)
+    if isinstance(node, nnx.Module) and node is not model
+  ]
+  inner_roots = [  # a user's own wraps inside the model keep their policy
+    path
+    for path, node in modules
+    if getattr(node, _CONFIG, None) is not None
+    and getattr(node, _CONFIG).is_root
+  ]
+  for path, node in modules:
+    if any(path[: len(root)] == root for root in inner_roots):
+      continue
+    if getattr(node, _CONFIG, None) is not None:
+      _unconvert(node)  # an override of this model's previous wrap
+    override = _find_override(node, table)
+    if override is not None:
+      _, sub_policy, to_enclosing = override
+      _convert(node, _Config(sub_policy, to_enclosing, False))
+  arguments = (
+    ("overrides", tuple((overrides or {}).items())),
+    ("methods", methods),
+    ("respect_dtype_fields", respect),
+  )
+  _convert(model, _Config(policy, False, True, arguments), methods)
+  modules, params = _owners(model)
+  for module, config, in_inner_wrap, respected in _respected(modules, respect):
+    if not in_inner_wrap:  # an inner wrap set its modules' dtype attributes
+      _set_dtype_attributes(module, None if respected else config.policy)
+  for param, config in params:
+    param.set_value(
+      policy_lib.cast_floating(param.get_value(), config.policy.param_dtype)
+    )
+    cls = _subclass(type(param), "param", {"get_value": _cast_on_read})
+    object.__setattr__(param, "__class__", cls)
+  return model

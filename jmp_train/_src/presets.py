@@ -1,0 +1,149 @@
+"""Named precision recipes: a policy, a loss scale and a param-update rule.
+
+| preset           | params  | compute | output  | loss scale | FP32 master | FP8 matmuls | apex |
+|------------------|---------|---------|---------|------------|-------------|-------------|------|
+| `fp32`           | float32 | float32 | float32 | none       | n/a         | no          | O0   |
+| `bf16-mixed`     | float32 | bfloat16| float32 | none       | n/a         | no          | -    |
+| `fp16-mixed`     | float32 | float16 | float32 | dynamic    | n/a         | no          | O1   |
+| `bf16-true`      | bfloat16| bfloat16| float32 | none       | yes         | no          | -    |
+| `fp16-true`      | float16 | float16 | float32 | dynamic    | yes         | no          | O2   |
+| `bf16-fp8-mixed` | float32 | bfloat16| float32 | none       | n/a         | hybrid      | -    |
+| `fp16-fp8-mixed` | float32 | float16 | float32 | dynamic    | n/a         | hybrid      | -    |
+
+Every preset's `param_update` is `MasterWeights()`, the `mixed_precision`
+default: where params are float32 ("n/a") there is nothing to keep.
+
+The fp8 presets are NeMo's `bf16_with_fp8_mixed` / `fp16_with_fp8_mixed`:
+the mixed policy plus Transformer Engine's default delayed-scaling recipe
+(`Fp8Recipe()`: hybrid E4M3/E5M2, margin 0, 1024-step history, "max"). Pass
+`preset.fp8` to `jmp_train.linen.wrap(..., fp8=preset.fp8)`.
+
+A preset is a frozen dataclass: adjust one with `dataclasses.replace`, e.g.
+`dataclasses.replace(preset, param_update=StochasticRounding(seed=0))`, or
+give its dynamic loss scale another growth interval with
+`dataclasses.replace(preset.loss_scale, period=100)`. Apex O3 (pure float16,
+no master weights, no scaling) is `fp16-true` with `RoundToNearest()` and a
+static scale of 1: we do not name it, since it loses small updates (see
+README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+from jmp_train._src import fp8 as fp8_lib
+from jmp_train._src import loss_scale as ls_lib
+from jmp_train._src import param_update as param_update_lib
+from jmp_train._src import policy as policy_lib
+from jmp_train._src import transform
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A named recipe: use `policy` for the model, `mixed_precision` for optax.
+
+  Presets are values: `dataclasses.replace(preset, loss_scale=...)` makes an
+  adjusted copy (checked like a new one), and two presets are equal when
+  all their fields are. `get_preset` returns the same object for a name.
+
+  Attributes:
+    name: the preset's name.
+    policy: the `Policy` to wrap the model with.
+    loss_scale: the loss scale `mixed_precision` starts from: a loss-scale
+      object, or None or a positive number as `mixed_precision` takes them
+      (stored as `NoOpLossScale()` / `StaticLossScale`).
+    param_update: how params stored below float32 are updated
+      (`MasterWeights()`, `RoundToNearest()` or `StochasticRounding(seed)`).
+    fp8: the FP8 recipe for the model's matmuls, or None.
+
+  Raises:
+    TypeError: for a field of the wrong kind, naming it.
+    ValueError: for a zero static loss scale.
+
+  Example:
+    >>> import dataclasses, optax, jmp_train
+    >>> preset = get_preset("bf16-true")
+    >>> print(preset.policy)
+    params=bfloat16,compute=bfloat16,output=float32
+    >>> tx = preset.mixed_precision(optax.adamw(1e-3))
+    >>> fp16 = get_preset("fp16-mixed")
+    >>> fast = dataclasses.replace(
+    ...     fp16, loss_scale=dataclasses.replace(fp16.loss_scale, period=100))
+    >>> fast.loss_scale.period, fast == fp16
+    (100, False)
+  """
+
+  name: str
+  policy: policy_lib.Policy
+  loss_scale: ls_lib.LossScale
+  param_update: param_update_lib.ParamUpdate = param_update_lib.MasterWeights()
+  fp8: fp8_lib.Fp8Recipe | None = None
+
+  def __post_init__(self):
+    # A plain value (not a pytree): this runs when a preset is built or
+    # replaced, never on unflatten.
+    if not isinstance(self.name, str):
+      raise TypeError(f"Preset name must be a str, got {self.name!r}.")
+    if not isinstance(self.policy, policy_lib.Policy):
+      raise TypeError(
+        "Preset policy must be a jmp_train.Policy (e.g. "
+        f"get_policy('p=bf16,c=bf16,o=f32')), got {self.policy!r}."
+      )
+    scale = transform.as_loss_scale(self.loss_scale)
+    object.__setattr__(self, "loss_scale", scale)
+    param_update_lib.check(self.param_update, "Preset param_update")
+    if not (self.fp8 is None or isinstance(self.fp8, fp8_lib.Fp8Recipe)):
+      raise TypeError(
+        f"Preset fp8 must be a jmp_train.fp8.Fp8Recipe or None, got "
+        f"{self.fp8!r}."
+      )
+
+  # Equal presets have equal fields, so hashing all but the loss scale (which
+  # may hold arrays) keeps presets usable as dict keys and static arguments.
+  def __hash__(self) -> int:
+    return hash((self.name, self.policy, self.param_update, self.fp8))
+
+  def mixed_precision(
+    self, inner: optax.GradientTransformation
+  ) -> optax.GradientTransformationExtraArgs:
+    """`inner` wrapped by `mixed_precision` with this preset's settings."""
+    return transform.mixed_precision(
+      inner, loss_scale=self.loss_scale, param_update=self.param_update
+    )
+
+
+def _presets() -> dict[str, Preset]:
+  get = policy_lib.get_policy
+  none, dynamic = ls_lib.NoOpLossScale(), ls_lib.dynamic_loss_scale()
+  fp8 = fp8_lib.Fp8Recipe()
+  return {
+    p.name: p
+    for p in (
+      Preset("fp32", get("float32"), none),
+      Preset("bf16-mixed", get("p=f32,c=bf16,o=f32"), none),
+      Preset("fp16-mixed", get("p=f32,c=f16,o=f32"), dynamic),
+      Preset("bf16-true", get("p=bf16,c=bf16,o=f32"), none),
+      Preset("fp16-true", get("p=f16,c=f16,o=f32"), dynamic),
+      Preset("bf16-fp8-mixed", get("p=f32,c=bf16,o=f32"), none, fp8=fp8),
+      Preset("fp16-fp8-mixed", get("p=f32,c=f16,o=f32"), dynamic, fp8=fp8),
+    )
+  }
+
+
+PRESETS: dict[str, Preset] = _presets()
+
+
+def get_preset(name: str) -> Preset:
+  """Returns the preset called `name` (see the module docstring's table).
+
+  Raises:
+    ValueError: for an unknown name, listing the known ones.
+  """
+  try:
+    return PRESETS[name]
+  except (KeyError, TypeError):
+    raise ValueError(
+      f"Unknown preset {name!r}: known presets are {', '.join(PRESETS)}."
+    ) from None

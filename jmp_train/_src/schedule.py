@@ -1,0 +1,212 @@
+"""Switching precision mid-run without losing optimizer state.
+
+NeMo RL's `adjust_precision` changes a running job's precision (for example
+fp16 for the first steps of a fine-tune, then bf16; or bf16-true, then fp32 to
+finish). Here the switch is a pure function of the params and the optimizer
+state: `adjust_precision(params, opt_state, preset)` returns both converted
+to `preset`, and the *same* `mixed_precision` transformation keeps stepping
+with them (its update is driven by its state: which leaves carry masters and
+which loss scale runs).
+
+What is kept, bit for bit: the inner optimizer's state (Adam moments, step
+counts, schedules; it always sees float32), the step and skip counters, and
+the float32 value of every param (a master where there was one, else the
+param itself, upcast exactly). What changes: the params' storage dtype,
+which leaves keep float32 masters, and the loss scale (kept when the new
+preset uses the same kind with the same settings, else the new preset's).
+
+`PrecisionSchedule({0: "fp16-mixed", 500: "bf16-mixed"})` names the preset
+for each step and tells a training loop when to switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_train._src import leaves, optimizer_state
+from jmp_train._src import loss_scale as ls_lib
+from jmp_train._src import param_update as param_update_lib
+from jmp_train._src import presets as presets_lib
+
+
+def _as_preset(preset: presets_lib.Preset | str) -> presets_lib.Preset:
+  if isinstance(preset, presets_lib.Preset):
+    return preset
+  return presets_lib.get_preset(preset)
+
+
+def _full_values(params: Any, masters: Any) -> Any:
+  """Each float param's float32 value: its master if it has one."""
+
+  def full(p, m):
+    if not leaves.is_real_float(p):
+      return p
+    if not leaves.is_masked(m):
+      return m
+    return leaves.widen(jnp.asarray(p))
+
+  return jax.tree.map(full, params, masters)
+
+
+def _same_settings(a: ls_lib.LossScale, b: ls_lib.LossScale) -> bool:
+  """Same kind and settings: a loss scale's settings are its tree's aux data."""
+  return jax.tree.structure(a) == jax.tree.structure(b)
+
+
+def adjust_precision(
+  params: optax.Params,
+  opt_state: optax.OptState,
+  preset: presets_lib.Preset | str,
+  *,
+  param_dtypes: Any = None,
+) -> tuple[optax.Params, optax.OptState]:
+  """Converts params and a `mixed_precision` optimizer state to `preset`.
+
+  Call it between two jitted steps (not inside jit: dtypes change, so the
+  step retraces once), then wrap the model with `preset.policy`.
+
+  Args:
+    params: the current params (as passed to `tx.update`).
+    opt_state: the optimizer state holding one `mixed_precision` state,
+      anywhere in a chain.
+    preset: the preset (or its name) to switch to.
+    param_dtypes: the new storage dtype of each param: a tree like `params`
+      of dtypes, arrays or `jax.ShapeDtypeStruct`s, typically
+      `jax.eval_shape(new_model.init, key, x)["params"]` for the model
+      wrapped with `preset.policy` (so normalization params stay float32).
+      None: every float param takes `preset.policy.param_dtype`.
+
+  Returns:
+    `(params, opt_state)`: params cast from their float32 values to the new
+    dtypes; the state with float32 masters for exactly the float params
+    stored below float32 (when `preset.param_update` is `MasterWeights()`),
+    the loss scale of `preset` (or the running one, if the settings are the
+    same), and everything else unchanged. Integer and boolean leaves pass
+    through untouched.
+
+  Raises:
+    ValueError: if `param_dtypes` does not have the structure of `params`.
+  """
+  preset = _as_preset(preset)
+  state = optimizer_state.find_state(opt_state)
+  full = _full_values(params, state.master_params)
+  if param_dtypes is None:
+    target = jax.tree.map(
+      lambda p: preset.policy.param_dtype if leaves.is_real_float(p) else None,
+      params,
+    )
+  else:
+    target = jax.tree.map(
+      lambda d: np.dtype(getattr(d, "dtype", d)), param_dtypes
+    )
+    if jax.tree.structure(target) != jax.tree.structure(params):
+      raise ValueError(
+        "adjust_precision: param_dtypes must have the structure of params; "
+        f"got {jax.tree.structure(param_dtypes)} for params "
+        f"{jax.tree.structure(params)}."
+      )
+
+  def new_param(x, dtype):
+    if not leaves.is_real_float(x):
+      return x
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(
+        f"adjust_precision: a float param cannot become {dtype}; "
+        "param_dtypes must give float dtypes for float params."
+      )
+    return x.astype(dtype)
+
+  new_params = jax.tree.map(new_param, full, target)
+  masters = param_update_lib.init_masters(preset.param_update, new_params, full)
+  scaler = state.loss_scaler
+  if not _same_settings(scaler, preset.loss_scale):
+    scaler = preset.loss_scale
+  new_state = state._replace(loss_scaler=scaler, master_params=masters)
+  is_state = lambda x: isinstance(x, optimizer_state.MixedPrecisionState)  # noqa: E731
+  new_opt_state = jax.tree.map(
+    lambda x: new_state if is_state(x) else x, opt_state, is_leaf=is_state
+  )
+  return new_params, new_opt_state
+
+
+def adjust_nnx_precision(
+  model: Any,
+  optimizer: Any,
+  preset: presets_lib.Preset | str,
+  *,
+  overrides: Mapping[type, Any] | None = None,
+) -> None:
+  """`adjust_precision` for Flax NNX: converts `model` and `optimizer` in place.
+
+  Re-wraps `model` under `preset.policy` (`jmp_train.nnx.wrap`, with the
+  `overrides`, `methods` and `respect_dtype_fields` it was last wrapped with;
+  `overrides` replaces those), gives each param its float32 value in its new
+  dtype, and
+  replaces `optimizer.opt_state` (an `nnx.Optimizer` over `mixed_precision`)
+  with the converted state; `optimizer.step` and its transformation are kept.
+  Call it between steps: a jitted step retraces once.
+  """
+  from flax import nnx as flax_nnx
+  from flax.nnx.training.optimizer import to_opt_state
+
+  from jmp_train._src import nnx as mp_nnx
+
+  preset = _as_preset(preset)
+  wrt = optimizer.wrt
+  params = flax_nnx.as_pure(flax_nnx.state(model, wrt))
+  opt_state = flax_nnx.as_pure(optimizer.opt_state)
+  arguments = mp_nnx._wrap_arguments(model)  # as the model was wrapped
+  if overrides is not None:
+    arguments["overrides"] = overrides
+  mp_nnx.wrap(model, preset.policy, **arguments)  # the new storage dtypes
+  dtypes = flax_nnx.as_pure(flax_nnx.state(model, wrt))
+  new_params, new_state = adjust_precision(
+    params, opt_state, preset, param_dtypes=dtypes
+  )
+  flax_nnx.update(model, new_params)
+  optimizer.opt_state = flax_nnx.data(to_opt_state(new_state))
+
+
+class PrecisionSchedule:
+  """Which preset runs at each step: `{first_step: preset, ...}`.
+
+  Example:
+    >>> schedule = PrecisionSchedule({0: "fp16-mixed", 100: "bf16-mixed"})
+    >>> schedule.preset_at(99).name, schedule.preset_at(100).name
+    ('fp16-mixed', 'bf16-mixed')
+    >>> schedule.switch_at(100).name, schedule.switch_at(101)
+    ('bf16-mixed', None)
+  """
+
+  def __init__(self, steps: Mapping[int, presets_lib.Preset | str]):
+    if not steps or 0 not in steps:
+      raise ValueError(
+        f"PrecisionSchedule needs a preset for step 0, got {dict(steps)!r}."
+      )
+    for step in steps:
+      if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(
+          f"PrecisionSchedule steps must be ints >= 0, got {step!r}."
+        )
+    self._steps = sorted((s, _as_preset(p)) for s, p in steps.items())
+
+  def preset_at(self, step: int) -> presets_lib.Preset:
+    """The preset that runs step `step`."""
+    current = self._steps[0][1]
+    for first, preset in self._steps:
+      if first <= step:
+        current = preset
+    return current
+
+  def switch_at(self, step: int) -> presets_lib.Preset | None:
+    """The preset to switch to before step `step` (> 0), or None."""
+    for first, preset in self._steps:
+      if first == step and step > 0:
+        return preset
+    return None

@@ -1,0 +1,381 @@
+"""The optax transformation: loss-scale handling, skipping and master weights.
+
+`mixed_precision(inner)` wraps any optax optimizer. Its `update` receives the
+gradients of the *scaled* loss, in the params' dtype, and
+
+1. casts them to float32 (at least) and unscales them by the loss scale that
+   was used for the backward pass;
+2. checks, as one global predicate, that every gradient is finite;
+3. on a finite step runs `inner` on the float32 gradients and float32 params
+   (the master weights where params are stored below float32), then updates
+   each low-precision param as `param_update` says (`param_update.py`);
+4. on a non-finite step emits updates that leave params bit-identical and
+   keeps the inner state and master weights bit-identical;
+5. adjusts the loss scale and counts steps, skipped steps and the grad norm.
+
+Float and complex params are trained (complex ones as optax trains them).
+Integer and boolean param leaves are hidden from `inner` (like
+`optax.masked`) and never change. float8 arrays and non-array objects are
+refused, as are gradients whose shape is not their param's. FP8 metadata
+(`jmp_train.fp8`) is not a param: keep it out of the params tree and
+advance it with `fp8.update`, as the train step does.
+
+`mixed_precision` must be the outermost transformation; the order is
+checked where the state is read (`optimizer_state.find_state`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_train._src import leaves
+from jmp_train._src import loss_scale as ls_lib
+from jmp_train._src import param_update as param_update_lib
+from jmp_train._src.optimizer_state import MixedPrecisionState, find_state
+
+# The default rule: a frozen value, safe to share between calls.
+_MASTER_WEIGHTS = param_update_lib.MasterWeights()
+
+_LOSS_SCALE_KINDS = (
+  "a NoOpLossScale, StaticLossScale or DynamicLossScale, a positive number "
+  "(a static scale) or None"
+)
+
+
+def as_loss_scale(loss_scale: Any) -> ls_lib.LossScale:
+  """The loss scale `mixed_precision` starts from, validated.
+
+  None is `NoOpLossScale()`; a concrete real number is a `StaticLossScale`.
+  """
+  if loss_scale is None:
+    return ls_lib.NoOpLossScale()
+  if isinstance(loss_scale, ls_lib.StaticLossScale):
+    if not float(loss_scale.loss_scale) > 0:
+      raise ValueError(
+        f"loss_scale={loss_scale!r} would multiply every gradient by 0 (and "
+        f"unscale by 1/0); pass {_LOSS_SCALE_KINDS}."
+      )
+    return loss_scale
+  if isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.DynamicLossScale)):
+    return loss_scale
+  if isinstance(loss_scale, jax.core.Tracer):
+    # optax.inject_hyperparams turns every number into a traced hyperparameter
+    # that it would let the user change; the scale lives in the state instead.
+    raise TypeError(
+      "loss_scale is traced: it is a setting fixed at init (the running scale "
+      "lives in the state), so it cannot be a hyperparameter. With "
+      "optax.inject_hyperparams(mixed_precision), pass "
+      "static_args=('loss_scale',) or a loss-scale object."
+    )
+  # A real number: Python, NumPy or a concrete JAX scalar.
+  if isinstance(loss_scale, (int, float, np.generic, np.ndarray, jax.Array)):
+    dtype = np.asarray(loss_scale).dtype
+    real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(
+      dtype, jnp.floating
+    )
+    if real and np.ndim(loss_scale) == 0:
+      return as_loss_scale(ls_lib.StaticLossScale(float(loss_scale)))
+  raise TypeError(
+    f"loss_scale must be {_LOSS_SCALE_KINDS}, got {loss_scale!r}."
+  )
+
+
+def _checked_leaves(tree: Any, what: str) -> Any:
+  """`tree` with Python numbers as arrays; refuses what cannot be trained.
+
+  Float and complex arrays are trained, integer and boolean ones pass through
+  unchanged. float8 arrays and non-array objects are refused: a policy never
+  casts float8 and no optimizer can update it exactly, and any other object
+  would otherwise be silently left alone.
+  """
+
+  def check(path, x):
+    if isinstance(x, (bool, int, float, complex)):
+      return jnp.asarray(x)
+    where = f"mixed_precision: {what} leaf {leaves.keystr(path)!r}"
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+      raise TypeError(
+        f"{where} is {x!r}; expected arrays (float, complex, integer or "
+        "boolean) or Python numbers."
+      )
+    if leaves.is_float8(x):
+      raise TypeError(
+        f"{where} has dtype {x.dtype}; float8 arrays are not trainable "
+        "params (they carry no scale, and no optimizer updates them). Keep "
+        "the weight in bfloat16 or float32 and run its matmuls in FP8 with "
+        "jmp_train.fp8."
+      )
+    return x
+
+  return jax.tree_util.tree_map_with_path(check, tree)
+
+
+def _check_grads(grads: Any, params: Any) -> None:
+  """Refuses gradients whose tree or shapes are not the params'."""
+  grads_def, params_def = jax.tree.structure(grads), jax.tree.structure(params)
+  if grads_def != params_def:
+    raise ValueError(
+      "mixed_precision: gradients and params must have the same tree "
+      f"structure; got gradients {grads_def} and params {params_def}."
+    )
+
+  def check(path, g, p):
+    # A gradient of another shape would broadcast silently.
+    if leaves.is_float(p) and tuple(np.shape(g)) != tuple(np.shape(p)):
+      raise ValueError(
+        f"mixed_precision: the gradient of {leaves.keystr(path)!r} has shape "
+        f"{tuple(np.shape(g))}, its param {tuple(np.shape(p))}; gradients "
+        "must have their params' shapes."
+      )
+
+  jax.tree_util.tree_map_with_path(check, grads, params)
+
+
+def mixed_precision(
+  inner: optax.GradientTransformation,
+  *,
+  loss_scale: ls_lib.LossScale | float | None = None,
+  param_update: param_update_lib.ParamUpdate = _MASTER_WEIGHTS,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax optimizer for mixed-precision training.
+
+  Multiply the loss by `current_loss_scale(opt_state)` before differentiating
+  and pass the resulting gradients (in the params' dtype) to `update`; apply
+  the updates with `optax.apply_updates`. Place this transformation last: it
+  must see the raw gradients, and its updates are exact only when applied
+  unchanged. Clipping, weight decay and schedules belong in `inner`, which
+  sees unscaled float32 gradients and float32 params.
+
+  With master weights, after `optax.apply_updates` every low-precision param
+  equals its new float32 master cast to the param dtype, bit for bit: the
+  emitted update is the float32 difference `cast(new_master) - param`.
+
+  Args:
+    inner: the optimizer to wrap (any `optax.GradientTransformation`; extra
+      args such as `value` are forwarded to it).
+    loss_scale: a `NoOpLossScale` (the default, for float32 and bfloat16), a
+      `StaticLossScale`, a `DynamicLossScale` (see `dynamic_loss_scale`), or a
+      positive number (Python, NumPy or a concrete JAX scalar) meaning a
+      static scale. It is the starting point: the running scale lives in the
+      state, so under `optax.inject_hyperparams` a number must be among
+      `static_args`.
+    param_update: how float params stored below float32 are updated:
+      `MasterWeights()` (the default: float32 master copies, Megatron's main
+      params, NxD's `use_master_weights`), `RoundToNearest()` (no masters)
+      or `StochasticRounding(seed)` (no masters, rounded stochastically).
+      float32 params are their own masters under all three.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `MixedPrecisionState`.
+
+  Raises:
+    TypeError: for an `inner` that is not a transformation, a loss scale or
+      `param_update` of the wrong kind; in `init`/`update`, for float8 or
+      non-array param leaves and for a state that is not a
+      `MixedPrecisionState`.
+    ValueError: for a zero static scale, and in `update` for gradients whose
+      structure or shapes are not the params'.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jmp_train
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> tx = jmp_train.mixed_precision(
+    ...     optax.sgd(0.1), loss_scale=jmp_train.dynamic_loss_scale())
+    >>> opt_state = tx.init(params)
+    >>> scale = jmp_train.current_loss_scale(opt_state)
+    >>> grads = jax.grad(lambda p: scale * jnp.sum(p["w"].astype(jnp.float32)))(params)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> optax.apply_updates(params, updates)["w"]
+    Array([0.898438, 0.898438, 0.898438], dtype=bfloat16)
+    >>> opt_state.master_params["w"]
+    Array([0.9, 0.9, 0.9], dtype=float32)
+  """
+  if not (
+    callable(getattr(inner, "init", None))
+    and callable(getattr(inner, "update", None))
+  ):
+    raise TypeError(
+      "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+      f"got {inner!r}."
+    )
+  scaler0 = as_loss_scale(loss_scale)
+  rule = param_update_lib.check(param_update)
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params: optax.Params) -> MixedPrecisionState:
+    params = _checked_leaves(params, "params")
+    masters = param_update_lib.init_masters(rule, params)
+    return MixedPrecisionState(
+      loss_scaler=scaler0,
+      master_params=masters,
+      inner_state=inner.init(_full_view(params, masters)),
+      steps=jnp.zeros([], jnp.int32),
+      skipped_steps=jnp.zeros([], jnp.int32),
+      last_step_finite=jnp.ones([], jnp.bool_),
+      grad_norm=jnp.zeros([], jnp.float32),
+      skip_streak=jnp.zeros([], jnp.int32),
+    )
+
+  def update(grads, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        "mixed_precision needs params: call tx.update(grads, state, params)."
+      )
+    if not isinstance(state, MixedPrecisionState):
+      raise TypeError(
+        "mixed_precision's update got a state of type "
+        f"{type(state).__name__}, not the MixedPrecisionState its init "
+        "returns: pass the state built by this transformation's init (in "
+        "optax.chain, the element of the chain's state at its position)."
+      )
+    _check_grads(grads, params)
+    params = _checked_leaves(params, "params")
+    grads = _checked_leaves(grads, "gradients")
+    scaler = state.loss_scaler
+
+    # Unscaled gradients in float32 (at least); non-float leaves are masked.
+    def to_full(g, p):
+      if not leaves.is_float(p):
+        return leaves.MASKED
+      return jnp.asarray(g).astype(leaves.full_dtype(p.dtype))
+
+    grads_full = scaler.unscale(jax.tree.map(to_full, grads, params))
+    sq_norm, finite = _sq_norm_and_finite(grads_full)
+
+    def apply_inner(operand):
+      grads_full, inner_state, masters, params = operand
+      inner_updates, inner_state = inner.update(
+        grads_full, inner_state, _full_view(params, masters), **extra_args
+      )
+      # An (update, master) pair per leaf, then the two trees.
+      pairs = jax.tree.map(
+        functools.partial(param_update_lib.apply, rule),
+        params,
+        masters,
+        inner_updates,
+        param_update_lib.leaf_keys(rule, params, state.steps),
+      )
+      is_pair = lambda x: isinstance(x, param_update_lib.LeafUpdate)  # noqa: E731
+      updates = jax.tree.map(lambda x: x.update, pairs, is_leaf=is_pair)
+      masters = jax.tree.map(lambda x: x.master, pairs, is_leaf=is_pair)
+      return updates, inner_state, masters
+
+    def skip(operand):
+      _, inner_state, masters, params = operand
+      return _skip_updates(params), inner_state, masters
+
+    # A conditional, not a select: the inner update runs only on finite steps
+    # and writes its state in place (measured in benchmarks/overhead.py).
+    updates, inner_state, masters = jax.lax.cond(
+      finite,
+      apply_inner,
+      skip,
+      (grads_full, state.inner_state, state.master_params, params),
+    )
+    new_state = MixedPrecisionState(
+      loss_scaler=scaler.adjust(finite),
+      master_params=masters,
+      inner_state=inner_state,
+      steps=state.steps + 1,
+      skipped_steps=state.skipped_steps + jnp.where(finite, 0, 1),
+      last_step_finite=finite,
+      grad_norm=jnp.sqrt(sq_norm),
+      skip_streak=jnp.where(finite, 0, state.skip_streak + 1),
+    )
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _sq_norm_and_finite(grads: Any) -> tuple[jax.Array, jax.Array]:
+  """The grads' squared L2 norm (float32) and whether all of them are finite.
+
+  One plain reduction per leaf gives both: each non-finite entry adds NaN
+  instead of its square, so the sum is NaN exactly when some gradient is
+  not finite. Finite squares are >= 0 and can only sum to +inf (huge finite
+  grads whose squares overflow float32 are still finite and applied). So
+  there is no second pass over the grads and no conditional besides the
+  skip's own. On a non-finite step the returned norm is NaN.
+  """
+  flat = jax.tree.leaves(grads)
+  if not flat:
+    return jnp.zeros([], jnp.float32), jnp.array(True)
+
+  def sq_sum(g):
+    g = leaves.widen(g)
+    if jnp.issubdtype(g.dtype, jnp.complexfloating):  # |g|^2
+      square = jnp.square(jnp.real(g)) + jnp.square(jnp.imag(g))
+    else:
+      square = jnp.square(g)
+    return jnp.sum(jnp.where(jnp.isfinite(g), square, jnp.nan))
+
+  total = sum(sq_sum(g).astype(jnp.float32) for g in flat)
+  return total, ~jnp.isnan(total)
+
+
+def _skip_updates(params: optax.Params) -> optax.Params:
+  """Updates that leave params bit-identical: -0.0 for floats, 0 otherwise.
+
+  x + (-0.0) == x for every x, -0.0 included (x + 0.0 turns -0.0 into +0.0).
+  """
+
+  def skip(p):
+    if not leaves.is_float(p):
+      return jnp.zeros_like(p)
+    dtype = leaves.full_dtype(p.dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      return jnp.full(p.shape, complex(-0.0, -0.0), dtype)
+    return jnp.full(p.shape, -0.0, dtype)
+
+  return jax.tree.map(skip, params)
+
+
+def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
+  """The params as the inner optimizer sees them: float32 or wider, floats only."""
+
+  def view(p, m):
+    if not leaves.is_masked(m):
+      return m
+    if not leaves.is_float(p):
+      return leaves.MASKED
+    return leaves.widen(jnp.asarray(p))
+
+  return jax.tree.map(view, params, masters)
+
+
+def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
+  """The loss scale to multiply the next loss by (a float32 scalar).
+
+  Finds the `mixed_precision` state wherever it sits: inside `optax.chain`,
+  `optax.MultiSteps`, `optax.inject_hyperparams` or any pytree of states.
+  """
+  scaler = find_state(opt_state).loss_scaler
+  return jnp.asarray(scaler.loss_scale, jnp.float32)
+
+
+def train_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
+  """Scalars to log: loss scale, step counts, finiteness and the grad norm.
+
+  Returns:
+    A dict with `loss_scale` (float32), `steps` and `skipped_steps` (int32),
+    `last_step_finite` (bool), `grad_norm` (float32, the global L2 norm of
+    the last step's unscaled gradients) and `skip_streak` (int32, consecutive
+    skipped steps). Works under jit; no host sync.
+    Leaves held in `nnx.Optimizer`'s variables come back as plain arrays.
+  """
+  state = find_state(opt_state)
+  return {
+    "loss_scale": jnp.asarray(state.loss_scaler.loss_scale, jnp.float32),
+    "steps": jnp.asarray(state.steps),
+    "skipped_steps": jnp.asarray(state.skipped_steps),
+    "last_step_finite": jnp.asarray(state.last_step_finite),
+    "grad_norm": jnp.asarray(state.grad_norm),
+    "skip_streak": jnp.asarray(state.skip_streak),
+  }

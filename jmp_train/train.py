@@ -1,0 +1,5 @@
+"""The train state and the step builder: one device, data parallel, ZeRO-1."""
+
+from jmp_train._src.train import TrainState, make_train_step
+
+__all__ = ["TrainState", "make_train_step"]

@@ -1,0 +1,545 @@
+"""The train state and step: one device, data parallel and ZeRO-1, against
+references written without the step builder."""
+
+import functools
+from typing import Any
+
+import _models
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jmp_train
+from jmp_train import train, zero1
+
+DEVICES, ACCUM = 8, 2
+
+
+def _mesh(shape=(8,), names=("data",)):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _tx():
+  return jmp_train.mixed_precision(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3)),
+    loss_scale=jmp_train.dynamic_loss_scale(2.0**10, growth_interval=4),
+  )
+
+
+# --- A ResNet-style model with BatchNorm and dropout ------------------------
+
+
+class ResBlock(nn.Module):
+  """A basic residual block, written as Flax's ImageNet example writes it."""
+
+  features: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    norm = functools.partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=0.9,
+      axis_name="data" if train else None,
+      dtype=self.dtype,
+    )
+    y = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype)(x)
+    y = nn.relu(norm()(y))
+    y = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype)(y)
+    return nn.relu(x + norm(scale_init=nn.initializers.zeros)(y))
+
+
+class ResNet(nn.Module):
+  features: int = 8
+  classes: int = 10
+  dropout_rate: float = 0.3
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype)(x)
+    x = nn.BatchNorm(
+      use_running_average=not train,
+      momentum=0.9,
+      axis_name="data" if train else None,
+      dtype=self.dtype,
+    )(x)
+    x = ResBlock(self.features, dtype=self.dtype)(nn.relu(x), train)
+    x = jnp.mean(x, axis=(1, 2))
+    x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+    return nn.Dense(self.classes, dtype=self.dtype)(x)
+
+
+RESNET = ResNet()
+
+
+def _resnet_data(steps, batch=32, poison_at=()):
+  rng = np.random.default_rng(3)
+  out = []
+  for i in range(steps):
+    x = rng.standard_normal((batch, 6, 6, 3)).astype(np.float32)
+    # Added to row 5's logits: inf makes that step's gradients non-finite
+    # while BatchNorm's statistics stay finite (so holding them back is
+    # the step's doing).
+    poison = np.zeros((batch,), np.float32)
+    if i in poison_at:
+      poison[5] = np.inf
+    y = rng.integers(0, 10, (batch,)).astype(np.int32)
+    out.append({"x": x, "y": y, "poison": poison})
+  return out
+
+
+def _xent(logits, labels):
+  logits = logits.astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _resnet_loss(params, batch, model_state, key):
+  logits, updates = RESNET.apply(
+    {"params": params, **model_state},
+    batch["x"],
+    train=True,
+    rngs={"dropout": key},
+    mutable=["batch_stats"],
+  )
+  loss = _xent(logits + batch["poison"][:, None], batch["y"])
+  accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
+  return loss, (updates, {"accuracy": accuracy})
+
+
+def _resnet_reference(tx, params, batch_stats, data, key):
+  """What the step must compute, written out: per device d and micro-batch
+  m, the key fold_in(fold_in(fold_in(key, step), d), m); BatchNorm's
+  cross-device statistics by `vmap` over the devices with axis_name "data";
+  the gradient of the mean loss; batch_stats threaded through the
+  micro-batches and kept on a skipped step."""
+  opt_state = tx.init(params)
+
+  def device_loss(params, batch_stats, x, y, poison, key):
+    logits, updates = RESNET.apply(
+      {"params": params, "batch_stats": batch_stats},
+      x,
+      train=True,
+      rngs={"dropout": key},
+      mutable=["batch_stats"],
+    )
+    return _xent(logits + poison[:, None], y), updates["batch_stats"]
+
+  @jax.jit
+  def step(i, params, batch_stats, opt_state, batch):
+    scale = jmp_train.current_loss_scale(opt_state)
+    # Rows [d * 4, (d + 1) * 4) go to device d; its micro-batch m is rows
+    # [2m, 2m + 2) of those.
+    x = batch["x"].reshape(DEVICES, ACCUM, -1, *batch["x"].shape[1:])
+    y = batch["y"].reshape(DEVICES, ACCUM, -1)
+    poison = batch["poison"].reshape(DEVICES, ACCUM, -1)
+    step_key = jax.random.fold_in(key, i)
+    grads, losses, stats = None, [], batch_stats
+    for m in range(ACCUM):
+      keys = jax.vmap(
+        lambda d, m=m: jax.random.fold_in(jax.random.fold_in(step_key, d), m)
+      )(jnp.arange(DEVICES))
+
+      def total(params, stats=stats, m=m, keys=keys):
+        loss, new_stats = jax.vmap(
+          device_loss, in_axes=(None, None, 0, 0, 0, 0), axis_name="data"
+        )(params, stats, x[:, m], y[:, m], poison[:, m], keys)
+        new_stats = jax.tree.map(lambda s: s[0], new_stats)
+        return jnp.mean(loss) * scale, (jnp.mean(loss), new_stats)
+
+      (_, (loss, stats)), g = jax.value_and_grad(total, has_aux=True)(params)
+      losses.append(loss)
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    grads = jax.tree.map(lambda g: g / ACCUM, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    finite = jmp_train.train_metrics(opt_state)["last_step_finite"]
+    stats = jax.tree.map(
+      lambda new, old: jnp.where(finite, new, old), stats, batch_stats
+    )
+    return params, stats, opt_state, sum(losses) / ACCUM
+
+  losses, all_stats = [], []
+  for i, batch in enumerate(data):
+    params, batch_stats, opt_state, loss = step(
+      i, params, batch_stats, opt_state, batch
+    )
+    losses.append(float(loss))
+    all_stats.append(batch_stats)
+  return params, opt_state, losses, all_stats
+
+
+@pytest.fixture(scope="module")
+def resnet_runs():
+  data = _resnet_data(5, poison_at=(2,))
+  variables = RESNET.init(
+    jax.random.key(0), jnp.zeros((1, 6, 6, 3)), train=False
+  )
+  params, batch_stats = variables["params"], variables["batch_stats"]
+  key = jax.random.key(42)
+  tx = _tx()
+  reference = _resnet_reference(tx, params, batch_stats, data, key)
+  plan = zero1.make_plan(tx, params, _mesh())
+  state = train.TrainState.create(
+    params=params,
+    tx=tx,
+    model_state={"batch_stats": batch_stats},
+    key=key,
+    plan=plan,
+  )
+  step = train.make_train_step(
+    _resnet_loss, tx, plan=plan, accum_steps=ACCUM, has_aux=True
+  )
+  losses, metrics, stats = [], [], []
+  for batch in data:
+    state, m = step(state, batch)
+    losses.append(float(m["loss"]))
+    metrics.append(m)
+    stats.append(jax.device_get(state.model_state["batch_stats"]))
+  return reference, (plan, state, losses, metrics, stats)
+
+
+def test_resnet_zero1_accumulation_equals_a_reference_without_the_builder(
+  resnet_runs,
+):
+  (ref_params, ref_opt, ref_losses, ref_stats), ours = resnet_runs
+  plan, state, losses, metrics, stats = ours
+  assert not np.isfinite(losses[2]) and not np.isfinite(ref_losses[2])
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+  for a, b in zip(
+    jax.tree.leaves(state.params), jax.tree.leaves(ref_params), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  for ours_i, ref_i in zip(stats, ref_stats, strict=True):
+    for a, b in zip(jax.tree.leaves(ours_i), jax.tree.leaves(ref_i)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  logical = zero1.to_logical(plan, state).opt_state
+  for a, b in zip(jax.tree.leaves(logical), jax.tree.leaves(ref_opt)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+  assert int(state.step) == 5
+  for leaf in jax.tree.leaves(state.model_state):
+    assert leaf.sharding.is_fully_replicated
+  assert int(metrics[-1]["skipped_steps"]) == 1
+  accuracy = [float(m["accuracy"]) for m in metrics]
+  assert all(0.0 <= a <= 1.0 for a in accuracy)
+
+
+def test_resnet_batch_stats_change_on_finite_steps_only(resnet_runs):
+  _, (_, _, _, metrics, stats) = resnet_runs
+  finite = [bool(m["last_step_finite"]) for m in metrics]
+  assert finite == [True, True, False, True, True]
+  for i in range(1, len(stats)):
+    same = all(
+      np.array_equal(a, b)
+      for a, b in zip(jax.tree.leaves(stats[i]), jax.tree.leaves(stats[i - 1]))
+    )
+    # Step i changed them unless it was skipped (then they keep their bits).
+    assert same == (not finite[i]), i
+
+
+def test_dropout_keys_differ_per_step_micro_batch_and_device():
+  # A loss that reports its own key: the step's keys are the rule's.
+  def loss_fn(params, batch, model_state, key):
+    bits = jax.random.bits(key, (), jnp.uint32).astype(jnp.float32)
+    return jnp.sum(params["w"]) * 0.0, (model_state, {"bits": bits})
+
+  tx = optax.sgd(0.0)
+  params = {"w": jnp.ones(3)}
+  key = jax.random.key(7)
+  plan = zero1.make_plan(tx, params, _mesh())
+  state = train.TrainState.create(params=params, tx=tx, key=key, plan=plan)
+  step = train.make_train_step(
+    loss_fn, tx, plan=plan, accum_steps=ACCUM, has_aux=True
+  )
+  batch = np.zeros((16, 1), np.float32)
+  seen = []
+  for i in range(2):
+    state, metrics = step(state, batch)
+    expected = np.mean(
+      [
+        float(
+          jax.random.bits(
+            jax.random.fold_in(
+              jax.random.fold_in(jax.random.fold_in(key, i), d), m
+            ),
+            (),
+            jnp.uint32,
+          )
+        )
+        for d in range(DEVICES)
+        for m in range(ACCUM)
+      ]
+    )
+    np.testing.assert_allclose(float(metrics["bits"]), expected, rtol=1e-6)
+    seen.append(float(metrics["bits"]))
+  assert seen[0] != seen[1]
+  # Reproducible: the same base key gives the same keys.
+  state = train.TrainState.create(params=params, tx=tx, key=key, plan=plan)
+  _, again = step(state, batch)
+  assert float(again["bits"]) == seen[0]
+
+
+# --- The GPT model: one device, data parallel and ZeRO-1 ---------------------
+
+
+def _run(step, state, data):
+  losses, metrics = [], None
+  for batch in data:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return state, losses, metrics
+
+
+@pytest.mark.parametrize("zero_stage", [None, 0, 1])
+def test_equals_the_reference_run_with_a_nonfinite_step(zero_stage):
+  data = _models.batches(12, poison_at=(5,))
+  params0 = _models.init_params(jnp.float32)
+  tx = _tx()
+  ref_params, ref_state, ref_losses = _models.reference_run(tx, params0, data)
+  plan = None
+  if zero_stage is not None:
+    plan = zero1.make_plan(tx, params0, _mesh(), zero_stage=zero_stage)
+  state = train.TrainState.create(params=params0, tx=tx, plan=plan)
+  step = train.make_train_step(_models.loss_fn, tx, plan=plan)
+  state, losses, metrics = _run(step, state, data)
+  assert not np.isfinite(losses[5]) and not np.isfinite(ref_losses[5])
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  assert int(metrics["skipped_steps"]) == 1 == int(ref_state.skipped_steps)
+  assert float(metrics["loss_scale"]) == float(ref_state.loss_scaler.loss_scale)
+  for a, b in zip(
+    jax.tree.leaves(state.params), jax.tree.leaves(ref_params), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  opt_state = state.opt_state
+  if plan is not None:
+    opt_state = zero1.to_logical(plan, state).opt_state
+  for a, b in zip(
+    jax.tree.leaves(opt_state), jax.tree.leaves(ref_state), strict=True
+  ):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_params_match_the_reference_masters():
+  data = _models.batches(4)
+  params0 = _models.init_params(jnp.bfloat16)
+  tx = _tx()
+  ref_params, ref_state, ref_losses = _models.reference_run(tx, params0, data)
+  plan = zero1.make_plan(tx, params0, _mesh())
+  state = train.TrainState.create(params=params0, tx=tx, plan=plan)
+  step = train.make_train_step(_models.loss_fn, tx, plan=plan, accum_steps=2)
+  state, losses, _ = _run(step, state, data)
+  # bf16 forward passes over 1 row per micro-batch round differently from
+  # one over 16 rows: this run agrees to bf16 accuracy (the float32 test
+  # above is the tight one); masters within a few Adam steps (lr 3e-3).
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
+  masters = zero1.to_logical(plan, state).opt_state.master_params
+  for a, b in zip(
+    jax.tree.leaves(masters),
+    jax.tree.leaves(ref_state.master_params),
+    strict=True,
+  ):
+    assert a.dtype == jnp.float32
+    np.testing.assert_allclose(a, b, atol=1e-2)
+  # params are their masters cast to bf16, bit for bit.
+  for p, m in zip(
+    jax.tree.leaves(state.params), jax.tree.leaves(masters), strict=True
+  ):
+    assert p.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(p, m.astype(jnp.bfloat16))
+
+
+def test_2d_mesh_data_and_model():
+  mesh = _mesh((4, 2), ("data", "model"))
+  params0 = _models.init_params(jnp.float32)
+  specs = jax.tree.map(lambda _: P(), params0)
+  block = specs["block0"]
+  block["attn"]["qkv"]["kernel"] = P(None, None, "model")
+  block["fc"]["kernel"] = P(None, "model")
+  block["out"]["kernel"] = P("model", None)
+  data = _models.batches(6, poison_at=(3,))
+  tx = _tx()
+  ref_params, _, ref_losses = _models.reference_run(tx, params0, data)
+  plan = zero1.make_plan(tx, params0, mesh, param_specs=specs)
+  state = train.TrainState.create(params=params0, tx=tx, plan=plan)
+  step = train.make_train_step(_models.loss_fn, tx, plan=plan)
+  state, losses, metrics = _run(step, state, data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  assert int(metrics["skipped_steps"]) == 1
+  for a, b in zip(
+    jax.tree.leaves(state.params), jax.tree.leaves(ref_params), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  qkv = state.params["block0"]["attn"]["qkv"]["kernel"]
+  assert qkv.sharding.spec == P(None, None, "model")
+  assert qkv.addressable_shards[0].data.shape == (16, 3, 1, 8)
+  mu = state.opt_state.inner_state[1][0].mu["block0"]["fc"]["kernel"]
+  # Model-sharded on dim 1, data-partitioned on dim 0: 1/8 per device.
+  assert mu.sharding.spec == P("data", "model")
+  assert mu.addressable_shards[0].data.shape == (4, 32)
+
+
+# --- FP8 metadata rides in the state, not in the params ---------------------
+
+
+def test_fp8_metadata_advances_in_the_state_and_holds_on_a_skipped_step():
+  recipe = jmp_train.fp8.Fp8Recipe(amax_history_len=4)
+  model = jmp_train.linen.wrap(
+    nn.Dense(8),
+    jmp_train.get_policy("params=float32,compute=bfloat16"),
+    fp8=recipe,
+  )
+  x0 = jnp.ones((1, 8))
+  variables = model.init(jax.random.key(0), x0)
+  params, meta = variables["params"], variables["fp8_meta"]
+
+  def loss_fn(params, batch, model_state, key):
+    del key
+    y = model.apply({"params": params, **model_state}, batch["x"])
+    return jnp.mean((y.astype(jnp.float32) - batch["y"]) ** 2)
+
+  rng = np.random.default_rng(0)
+  data = [
+    {
+      "x": rng.standard_normal((16, 8)).astype(np.float32) * (i + 1),
+      "y": rng.standard_normal((16, 8)).astype(np.float32),
+    }
+    for i in range(4)
+  ]
+  data[2]["x"][0, 0] = np.inf
+  tx = jmp_train.mixed_precision(optax.sgd(0.01))
+  runs = {}
+  for name, plan in (
+    ("one", None),
+    ("zero1", zero1.make_plan(tx, params, _mesh())),
+  ):
+    state = train.TrainState.create(params=params, tx=tx, fp8=meta, plan=plan)
+    step = train.make_train_step(loss_fn, tx, plan=plan, accum_steps=2)
+    history = []
+    for batch in data:
+      state, _ = step(state, batch)
+      history.append(jax.device_get(state.fp8))
+    runs[name] = (state, history)
+  for state, history in runs.values():
+    # The optimizer never saw FP8 state: no masters or moments for it.
+    assert not any(
+      isinstance(x, jmp_train.fp8.Fp8DotState)
+      for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: True)
+    )
+    scales = [np.asarray(jax.tree.leaves(h)[0]) for h in history]
+    rolled = [
+      np.asarray(s.amax_history)
+      for h in history
+      for s in jax.tree.leaves(h, is_leaf=jmp_train.fp8.is_fp8_state)
+      if jmp_train.fp8.is_fp8_state(s)
+    ]
+    # Steps 0, 1 and 3 rolled an amax in; step 2 (skipped) kept every bit.
+    np.testing.assert_array_equal(rolled[2], rolled[1])
+    assert not np.array_equal(rolled[1], rolled[0])
+    assert not np.array_equal(rolled[3], rolled[2])
+    assert len(scales) == 4
+  one, zero = runs["one"][1], runs["zero1"][1]
+  for a, b in zip(
+    jax.tree.leaves(one[-1], is_leaf=jmp_train.fp8.is_fp8_state),
+    jax.tree.leaves(zero[-1], is_leaf=jmp_train.fp8.is_fp8_state),
+  ):
+    # Input and kernel amaxes are maxima over every row: the same. Each
+    # device differentiates the mean over its own 1/8 of the rows, so the
+    # output gradient (and its amax) is 8 times one device's.
+    np.testing.assert_allclose(
+      a.amax_history[:2], b.amax_history[:2], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+      8 * a.amax_history[2], b.amax_history[2], rtol=1e-6
+    )
+
+
+# --- Arguments --------------------------------------------------------------
+
+
+def _linear_loss(params, batch, model_state, key):
+  del model_state, key
+  # The gradient of w is the mean of the batch's rows, whatever w is.
+  return jnp.mean(batch["x"] @ params["w"].astype(jnp.float32))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_float16_reduction_does_not_overflow_where_one_device_would_not(
+  zero_stage,
+):
+  # Every device's gradient is 19,664 (float16-exact); their sum over 8
+  # devices, 157,312, exceeds float16's 65,504, the mean does not. One device
+  # with the whole batch applies the step, so 8 devices must too.
+  lr = 2.0**-16
+  tx = jmp_train.mixed_precision(
+    optax.sgd(lr), loss_scale=jmp_train.StaticLossScale(1.0)
+  )
+  params = {"w": jnp.ones((8,), jnp.float16)}
+  batch = {"x": np.full((16, 8), 19664.0, np.float32)}
+  plan = zero1.make_plan(tx, params, _mesh(), zero_stage=zero_stage)
+  state = train.TrainState.create(params=params, tx=tx, plan=plan)
+  state, metrics = train.make_train_step(_linear_loss, tx, plan=plan)(
+    state, batch
+  )
+  assert bool(metrics["last_step_finite"])
+  # float64 reference: master = 1 - lr * 19664, params its float16 cast.
+  master = np.float32(1.0 - lr * 19664.0)
+  masters = zero1.to_logical(plan, state).opt_state.master_params["w"]
+  np.testing.assert_array_equal(masters, np.full(8, master))
+  np.testing.assert_array_equal(
+    state.params["w"], np.full(8, master, np.float16)
+  )
+
+
+def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  params = {"w": jnp.ones((8,), jnp.float32)}
+  batch = {"x": np.ones((16, 8), np.float32)}
+  with pytest.raises(ValueError, match="accum_steps must be an int >= 1"):
+    train.make_train_step(_linear_loss, tx, accum_steps=0)
+  with pytest.raises(TypeError, match="plan must be a jmp_train.zero1.Plan"):
+    train.make_train_step(_linear_loss, tx, plan=_mesh())
+  with pytest.raises(TypeError, match="key must be a typed PRNG key"):
+    train.TrainState.create(params=params, tx=tx, key=np.uint32(3))
+  plan = zero1.make_plan(tx, params, _mesh())
+  step = train.make_train_step(_linear_loss, tx, plan=plan, accum_steps=2)
+  state = train.TrainState.create(params=params, tx=tx, plan=plan)
+  with pytest.raises(ValueError, match=r"'x' has shape \(12, 8\).* = 16"):
+    step(state, {"x": np.ones((12, 8), np.float32)})
+  # A state built for other params: named before anything runs.
+  other = train.TrainState.create(
+    params={"w": jnp.ones((8,), jnp.bfloat16)}, tx=tx
+  )
+  with pytest.raises(ValueError, match=r"has leaves \['master_params/w'\]"):
+    step(other, batch)
+  # An unplaced state (no ZeRO padding) for a plan that pads.
+  odd = {"w": jnp.ones((5,), jnp.bfloat16)}
+  odd_plan = zero1.make_plan(tx, odd, _mesh())
+  unplaced = train.TrainState.create(params=odd, tx=tx)
+  odd_step = train.make_train_step(_linear_loss, tx, plan=odd_plan)
+  with pytest.raises(ValueError, match=r"master_params/w' is float32\[5\]"):
+    odd_step(unplaced, {"x": np.ones((8, 5), np.float32)})
+  placed = zero1.place(odd_plan, unplaced)
+  assert placed.opt_state.master_params["w"].shape == (8,)
+  int_loss = train.make_train_step(
+    lambda p, b, s, k: jnp.sum(b["x"] @ p["w"]).astype(jnp.int32), tx
+  )
+  with pytest.raises(TypeError, match="loss_fn must return a real float"):
+    int_loss(train.TrainState.create(params=params, tx=tx), batch)
+  bad_aux = train.make_train_step(
+    lambda p, b, s, k: (jnp.sum(b["x"] @ p["w"]), ({"stats": 1}, {})),
+    tx,
+    has_aux=True,
+  )
+  with_state = train.TrainState.create(
+    params=params, tx=tx, model_state={"batch_stats": {"m": jnp.zeros(2)}}
+  )
+  with pytest.raises(ValueError, match=r"every collection.*\['batch_stats'\]"):
+    bad_aux(with_state, batch)
