@@ -181,13 +181,14 @@ def render(results: dict, env: dict, gpu_env: dict | None, quick: bool) -> str:
     " (the prose) and benchmarks/results/*.json (the numbers); edit those,"
     " not this file. -->\n\n"
   )
+  lines = machines(env, gpu_env)
   if quick:
-    head += (
+    lines = (
       "**Quick run (`--quick`): tiny configurations that check the pipeline;"
-      " the figures mean nothing.**\n\n"
+      " the figures mean nothing.**\n\n" + lines
     )
   page = TABLE.sub(fill, PAGE.read_text())
-  page = page.replace("<!-- machines -->", machines(env, gpu_env))
+  page = page.replace("<!-- machines -->", lines)
   return head + page
 
 

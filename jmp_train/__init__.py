@@ -19,7 +19,6 @@ from jmp_train import (
   nnx,
   presets,
   schedule,
-  sharding,
   train,
   zero1,
 )
@@ -113,7 +112,6 @@ __all__ = [
   "presets",
   "schedule",
   "select_tree",
-  "sharding",
   "train",
   "zero1",
   "train",

@@ -53,8 +53,10 @@ def make_step(tx, plan):
 
 
 def initial_state(tx, plan=None, params=None):
+  if params is None:  # one program (eager init compiles dozens)
+    params = jax.jit(_models.init_params, static_argnums=0)(jnp.bfloat16)
   return train.TrainState.create(
-    params=_models.init_params(jnp.bfloat16) if params is None else params,
+    params=params,
     tx=tx,
     model_state={"batch_stats": {"mean": jnp.zeros([], jnp.float32)}},
     key=jax.random.key(42),

@@ -224,13 +224,14 @@ def test_one_device_resume_with_model_state_fp8_and_key_is_bit_exact(tmp_path):
     for _ in range(6)
   ]
   data[4]["x"][0, 0] = np.inf  # a skipped step after the resume
-  variables = model.init({"params": jax.random.key(0)}, data[0]["x"], False)
+  init = jax.jit(lambda x: model.init(jax.random.key(0), x, False))
+  variables = init(data[0]["x"])
   args = (
     variables["params"],
     {"batch_stats": variables["batch_stats"]},
     variables["fp8_meta"],
   )
-  state = create(*args)
+  state = jax.jit(create)(*args)
   step = train.make_train_step(loss_fn, fresh_tx(), has_aux=True)
   for batch in data[:3]:
     state, _ = step(state, batch)
@@ -288,7 +289,9 @@ def test_restore_state_refuses_a_target_that_differs(tmp_path):
     assert n == 2
     _assert_trees_equal((params2, opt_state), (params, state.opt_state))
     restored = ckpt.restore_state(state)
-    _assert_trees_equal(_host(restored), _host(state.replace(step=jnp.int32(2))))
+    _assert_trees_equal(
+      _host(restored), _host(state.replace(step=jnp.int32(2)))
+    )
 
 
 def test_killed_save_keeps_the_last_good_checkpoint(tmp_path):

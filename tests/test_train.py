@@ -217,10 +217,14 @@ def test_resnet_zero1_accumulation_equals_a_reference_without_the_builder(
   ):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
   for ours_i, ref_i in zip(stats, ref_stats, strict=True):
-    for a, b in zip(jax.tree.leaves(ours_i), jax.tree.leaves(ref_i)):
+    for a, b in zip(
+      jax.tree.leaves(ours_i), jax.tree.leaves(ref_i), strict=True
+    ):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
   logical = zero1.to_logical(plan, state).opt_state
-  for a, b in zip(jax.tree.leaves(logical), jax.tree.leaves(ref_opt)):
+  for a, b in zip(
+    jax.tree.leaves(logical), jax.tree.leaves(ref_opt), strict=True
+  ):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
   assert int(state.step) == 5
@@ -238,7 +242,9 @@ def test_resnet_batch_stats_change_on_finite_steps_only(resnet_runs):
   for i in range(1, len(stats)):
     same = all(
       np.array_equal(a, b)
-      for a, b in zip(jax.tree.leaves(stats[i]), jax.tree.leaves(stats[i - 1]))
+      for a, b in zip(
+        jax.tree.leaves(stats[i]), jax.tree.leaves(stats[i - 1]), strict=True
+      )
     )
     # Step i changed them unless it was skipped (then they keep their bits).
     assert same == (not finite[i]), i
@@ -325,6 +331,29 @@ def test_equals_the_reference_run_with_a_nonfinite_step(zero_stage):
   ):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_zero1_accumulation_equals_one_big_batch():
+  tx = jmp_train.mixed_precision(
+    optax.adam(3e-3), loss_scale=jmp_train.dynamic_loss_scale(2.0**10)
+  )
+  params0 = _models.init_params(jnp.float32)
+  # Poison rows 0..1 of step 2: device 0's first micro-batch only.
+  data = _models.batches(5, batch=32, poison_at=(2,), poison_rows=slice(0, 2))
+  ref_params, _, ref_losses = _models.reference_run(tx, params0, data)
+  plan = zero1.make_plan(tx, params0, _mesh())
+  state = train.TrainState.create(params=params0, tx=tx, plan=plan)
+  step = train.make_train_step(_models.loss_fn, tx, plan=plan, accum_steps=2)
+  state, losses, metrics = _run(step, state, data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  # One update, one finite check and one loss-scale adjustment per step.
+  assert int(metrics["steps"]) == 5
+  assert int(metrics["skipped_steps"]) == 1
+  assert float(metrics["loss_scale"]) == 2.0**9
+  for a, b in zip(
+    jax.tree.leaves(state.params), jax.tree.leaves(ref_params), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_params_match_the_reference_masters():
@@ -449,6 +478,7 @@ def test_fp8_metadata_advances_in_the_state_and_holds_on_a_skipped_step():
   for a, b in zip(
     jax.tree.leaves(one[-1], is_leaf=jmp_train.fp8.is_fp8_state),
     jax.tree.leaves(zero[-1], is_leaf=jmp_train.fp8.is_fp8_state),
+    strict=True,
   ):
     # Input and kernel amaxes are maxima over every row: the same. Each
     # device differentiates the mean over its own 1/8 of the rows, so the

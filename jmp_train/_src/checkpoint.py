@@ -253,6 +253,7 @@ class Checkpointer:
       ValueError: `state.step` is not above the latest checkpoint (or above
         the one this Checkpointer restored with `rollback=True`), or the
         state is not laid out as `plan` says.
+      TypeError: `state` is not a `TrainState` or `plan` not a `Plan`.
     """
     if not isinstance(state, train.TrainState):
       raise TypeError(
@@ -398,6 +399,7 @@ class Checkpointer:
       ValueError: the checkpoint does not match the target (structure, shape
         or dtype of a leaf, PRNG key implementation), holds no train state
         (`save` wrote it) or was written in another format.
+      TypeError: `target` is not a `TrainState` or `plan` not a `Plan`.
       OSError: stored data cannot be read; names the leaves.
     """
     if not isinstance(target, train.TrainState):
@@ -617,7 +619,9 @@ class Checkpointer:
       bad = [
         f"{item}{path}"
         for item, tree in targets.items()
-        for path in self._unreadable(step, item, tree)
+        for path in fmt.unreadable_leaves(
+          os.path.join(self.directory, str(step), item), tree
+        )
       ]
       if not bad:
         raise
@@ -626,46 +630,6 @@ class Checkpointer:
         "(up to 5 per item; damaged or missing data). Restore "
         "another step (all_steps() lists them)."
       ) from e
-
-  def _unreadable(
-    self, step: int, item: str, tree: Any, limit: int = 5
-  ) -> list[str]:
-    """Tree paths of (up to `limit`) leaves of `item` that fail to restore."""
-    names = fmt.leaf_names(tree)
-    reader = ocp.PyTreeCheckpointer()
-    path = os.path.join(self.directory, str(step), item)
-
-    def fails(chunk):
-      sub = {name: leaf for name, _, leaf in chunk}
-      try:
-        reader.restore(
-          path,
-          args=ocp.args.PyTreeRestore(
-            item=sub,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(sub),
-            partial_restore=True,
-          ),
-        )
-      except Exception:
-        return True
-      return False
-
-    found: list[str] = []
-
-    def search(chunk):
-      # Depth first, and only until `limit` leaves are named: with every
-      # leaf unreadable a full bisection would take ~2N partial restores.
-      if not chunk or len(found) >= limit or not fails(chunk):
-        return
-      if len(chunk) == 1:
-        found.append(chunk[0][1])
-        return
-      half = len(chunk) // 2
-      search(chunk[:half])
-      search(chunk[half:])
-
-    search(names)
-    return found
 
   def wait(self) -> None:
     """Blocks until pending saves are complete."""

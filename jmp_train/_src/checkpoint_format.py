@@ -1,11 +1,13 @@
-"""How a checkpoint stores a tree: named flat leaves, matched on restore.
+"""How a checkpoint stores a tree: named flat leaves, read back by name.
 
 Each item of a checkpoint (params, optimizer state, the rest of a train
 state) is stored as a flat dict of arrays keyed `{index:05d}_{path}`: the
 leaf's index in tree order and its tree path made filename-safe. A restore
 builds the same names from the target tree and reads each leaf by its name,
 after `check_matches` has compared the saved names, shapes and dtypes with
-the target's (orbax would cast a leaf of another dtype silently).
+the target's (orbax would cast a leaf of another dtype silently). When the
+data of a checkpoint cannot be read, `unreadable_leaves` names the damaged
+leaves by restoring halves of the tree.
 
 Master weights are part of the format's choices: a checkpoint written with
 `use_master_weights_in_ckpt=False` stores the optimizer state with every
@@ -21,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 from jmp_train._src import leaves, optimizer_state
 
@@ -157,3 +160,42 @@ def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
   # `opt_state` leads: a MixedPrecisionState of it is a leaf there, so the
   # template's (with arrays where `opt_state` has masked nodes) pairs whole.
   return jax.tree.map(fill, opt_state, template, is_leaf=_is_mp)
+
+
+def unreadable_leaves(path: str, tree: Any, limit: int = 5) -> list[str]:
+  """Tree paths of (up to `limit`) leaves of `tree` that fail to restore
+  from the item stored at `path`: where a damaged checkpoint is damaged."""
+  names = leaf_names(tree)
+  reader = ocp.PyTreeCheckpointer()
+
+  def fails(chunk):
+    sub = {name: leaf for name, _, leaf in chunk}
+    try:
+      reader.restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+          item=sub,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(sub),
+          partial_restore=True,
+        ),
+      )
+    except Exception:
+      return True
+    return False
+
+  found: list[str] = []
+
+  def search(chunk):
+    # Depth first, and only until `limit` leaves are named: with every
+    # leaf unreadable a full bisection would take ~2N partial restores.
+    if not chunk or len(found) >= limit or not fails(chunk):
+      return
+    if len(chunk) == 1:
+      found.append(chunk[0][1])
+      return
+    half = len(chunk) // 2
+    search(chunk[:half])
+    search(chunk[half:])
+
+  search(names)
+  return found

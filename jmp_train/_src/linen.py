@@ -93,7 +93,7 @@ def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
   carrying them (a config such as lm1b's `TransformerConfig`, replaced with
   `dataclasses.replace`); submodules are left to their own turn.
   """
-  updates = policy_lib._dtype_field_updates(module, policy)
+  updates = policy_lib.dtype_field_updates(module, policy)
   for field in dataclasses.fields(module):
     value = getattr(module, field.name, None)
     if (
@@ -103,7 +103,7 @@ def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
       or not dataclasses.is_dataclass(value)
     ):
       continue
-    config = policy_lib._with_policy_dtypes(value, policy)
+    config = policy_lib.with_policy_dtypes(value, policy)
     if config is not None:
       updates[field.name] = config
   return updates
@@ -111,7 +111,7 @@ def _effective_fields(module: nn.Module, policy: policy_lib.Policy) -> dict:
 
 def _cast_arrays(tree: Any, dtype: Any) -> Any:
   """Float arrays cast to `dtype`; NNX graph nodes passed by reference."""
-  return policy_lib._cast_arrays(tree, dtype, nnx_graph.is_graph_node)
+  return policy_lib.cast_arrays(tree, dtype, nnx_graph.is_graph_node)
 
 
 def _cast_call(args: tuple, kwargs: dict, dtype: Any) -> tuple[tuple, dict]:
@@ -410,7 +410,7 @@ class _Wrapped(nn.Module):
         elif keys in as_written and np.shape(as_written[keys]) == np.shape(x):
           # The value the model as written gives it (a random draw, a count
           # of calls), in the dtype the policy run created it with.
-          if getattr(x, "dtype", None) in policy_lib._CASTABLE:
+          if getattr(x, "dtype", None) in policy_lib.CASTABLE:
             return policy_lib.cast_floating(as_written[keys], x.dtype)
           return as_written[keys]
         return x

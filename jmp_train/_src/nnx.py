@@ -108,7 +108,7 @@ def _owners(model: nnx.Module) -> tuple[list, list]:
       if config is not None:
         configs[path] = config
       modules.setdefault(id(node), (node, path))
-    elif isinstance(node, nnx.Param) and policy_lib._is_castable(
+    elif isinstance(node, nnx.Param) and policy_lib.is_castable(
       node.get_value()
     ):
       params.setdefault(id(node), (node, path))
@@ -185,7 +185,7 @@ def _set_dtype_attributes(module: nnx.Module, policy) -> None:
   if policy is None:
     return
   attributes = vars(module)
-  updates = policy_lib._dtype_updates(attributes, policy)
+  updates = policy_lib.dtype_updates(attributes, policy)
   for name, value in attributes.items():
     if (
       name.startswith("_pytree__")
@@ -195,7 +195,7 @@ def _set_dtype_attributes(module: nnx.Module, policy) -> None:
       or nnx_graph.is_graph_node(value)
     ):
       continue
-    config = policy_lib._with_policy_dtypes(value, policy)
+    config = policy_lib.with_policy_dtypes(value, policy)
     if config is not None:  # a config carrying dtypes, read at call time
       updates[name] = config
   originals = tuple((name, attributes[name]) for name in sorted(updates))
@@ -207,7 +207,7 @@ def _set_dtype_attributes(module: nnx.Module, policy) -> None:
 
 def _cast_arrays(tree: Any, dtype: Any) -> Any:
   """Float arrays cast to `dtype`; NNX graph nodes passed by reference."""
-  return policy_lib._cast_arrays(tree, dtype, nnx_graph.is_graph_node)
+  return policy_lib.cast_arrays(tree, dtype, nnx_graph.is_graph_node)
 
 
 def _run(self, base, args, kwargs):
@@ -303,7 +303,7 @@ def _unconvert(module: nnx.Module) -> None:
   object.__delattr__(module, _CONFIG)
 
 
-def _wrap_arguments(model: nnx.Module) -> dict[str, Any]:
+def wrap_arguments(model: nnx.Module) -> dict[str, Any]:
   """The `overrides`, `methods` and `respect_dtype_fields` that `model` was
   last wrapped with (empty if it was not), to wrap it again alike."""
   config = getattr(model, _CONFIG, None)

@@ -26,7 +26,7 @@ T = TypeVar("T")
 _SCALAR_TYPES = {
   np.dtype(t): t for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 }
-_CASTABLE = frozenset(_SCALAR_TYPES)
+CASTABLE = frozenset(_SCALAR_TYPES)
 
 dtype_to_names: Mapping[Any, tuple[str, ...]] = types.MappingProxyType(
   {
@@ -105,12 +105,12 @@ def _as_policy_dtype(value: Any, field: str) -> Any:
     dtype = np.dtype(value)
   except TypeError:
     raise TypeError(f"{field} must be {accepted}; got {value!r}.") from None
-  if dtype not in _CASTABLE:
+  if dtype not in CASTABLE:
     raise ValueError(f"{field} must be {accepted}; got {dtype.name}.")
   return _SCALAR_TYPES[dtype]
 
 
-def _cast_arrays(tree: T, dtype: Any, is_opaque: Any) -> T:
+def cast_arrays(tree: T, dtype: Any, is_opaque: Any) -> T:
   """`cast_floating`, but objects for which `is_opaque` holds pass by reference.
 
   The wrappers cast call arguments with it: NNX graph nodes (modules,
@@ -137,10 +137,10 @@ def _policy_float(value: Any) -> np.dtype | None:
     dtype = np.dtype(jnp.dtype(value))
   except (TypeError, ValueError):
     return None
-  return dtype if dtype in _CASTABLE else None
+  return dtype if dtype in CASTABLE else None
 
 
-def _dtype_updates(values: Mapping[str, Any], policy: Policy) -> dict:
+def dtype_updates(values: Mapping[str, Any], policy: Policy) -> dict:
   """The float `dtype`/`param_dtype` settings among `values` that `policy`
   sets, with the policy's value for each (the compute and param dtypes)."""
   wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
@@ -153,27 +153,27 @@ def _dtype_updates(values: Mapping[str, Any], policy: Policy) -> dict:
   }
 
 
-def _dtype_field_updates(obj: Any, policy: Policy) -> dict:
-  """`_dtype_updates` of the init fields of dataclass `obj` (a linen module,
+def dtype_field_updates(obj: Any, policy: Policy) -> dict:
+  """`dtype_updates` of the init fields of dataclass `obj` (a linen module,
   a model config)."""
   fields = {
     f.name: getattr(obj, f.name)
     for f in dataclasses.fields(obj)
     if f.init and f.name in ("dtype", "param_dtype")
   }
-  return _dtype_updates(fields, policy)
+  return dtype_updates(fields, policy)
 
 
-def _with_policy_dtypes(config: Any, policy: Policy) -> Any:
+def with_policy_dtypes(config: Any, policy: Policy) -> Any:
   """Dataclass `config` (a model config carrying `dtype`/`param_dtype`) with
   those fields set to `policy`'s, or None if it has none to set."""
-  updates = _dtype_field_updates(config, policy)
+  updates = dtype_field_updates(config, policy)
   return dataclasses.replace(config, **updates) if updates else None
 
 
-def _is_castable(x: Any) -> bool:
+def is_castable(x: Any) -> bool:
   return (
-    isinstance(x, (jax.Array, np.ndarray, np.generic)) and x.dtype in _CASTABLE
+    isinstance(x, (jax.Array, np.ndarray, np.generic)) and x.dtype in CASTABLE
   )
 
 
@@ -199,7 +199,7 @@ def cast_floating(tree: T, dtype: Any) -> T:
   dtype = np.dtype(dtype)
 
   def cast(x):
-    return x.astype(dtype) if _is_castable(x) and x.dtype != dtype else x
+    return x.astype(dtype) if is_castable(x) and x.dtype != dtype else x
 
   return jax.tree.map(cast, tree)
 

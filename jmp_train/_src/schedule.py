@@ -161,7 +161,7 @@ def adjust_nnx_precision(
   wrt = optimizer.wrt
   params = flax_nnx.as_pure(flax_nnx.state(model, wrt))
   opt_state = flax_nnx.as_pure(optimizer.opt_state)
-  arguments = mp_nnx._wrap_arguments(model)  # as the model was wrapped
+  arguments = mp_nnx.wrap_arguments(model)  # as the model was wrapped
   if overrides is not None:
     arguments["overrides"] = overrides
   mp_nnx.wrap(model, preset.policy, **arguments)  # the new storage dtypes

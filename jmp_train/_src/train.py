@@ -33,7 +33,13 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jmp_train._src import accumulation, leaves, transform, zero1
+from jmp_train._src import (
+  accumulation,
+  leaves,
+  optimizer_state,
+  transform,
+  zero1,
+)
 from jmp_train._src import fp8 as fp8_lib
 from jmp_train._src import loss_scale as ls_lib
 
@@ -121,8 +127,7 @@ class TrainState:
 
 
 def _has_mixed_precision(opt_state: Any) -> bool:
-  is_mp = lambda x: isinstance(x, transform.MixedPrecisionState)  # noqa: E731
-  return any(is_mp(x) for x in jax.tree.leaves(opt_state, is_leaf=is_mp))
+  return bool(optimizer_state.mixed_precision_states(opt_state))
 
 
 def _check_batch(batch: Any, multiple: int, what: str) -> None:
