@@ -102,7 +102,7 @@ def leaf_layout(shape: tuple, spec: Any, n: int, data_axis: str) -> LeafLayout:
 
   Example:
     >>> leaf_layout((10, 6), None, 4, "data")
-    LeafLayout(spec=(None, None), dim=1, padded=8)
+    LeafLayout(spec=(None, None), dim=0, padded=12)
   """
   spec = _normalized_spec(spec, len(shape), data_axis)
   size = math.prod(shape)
