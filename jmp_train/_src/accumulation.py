@@ -69,6 +69,14 @@ def micro_batches(batch: Any, accum_steps: int) -> Any:
   return jax.tree.map(split, batch)
 
 
+def zeros_for_non_float(grads: Any, params: Any) -> Any:
+  """`grads` with zeros for non-float params, which `jax.grad(...,
+  allow_int=True)` gives float0 gradients (no arithmetic works on those)."""
+  return jax.tree.map(
+    lambda g, p: g if leaves.is_float(p) else jnp.zeros_like(p), grads, params
+  )
+
+
 def accumulate_gradients(
   loss_fn: Callable[[optax.Params, Any], jax.Array],
   params: optax.Params,
@@ -118,10 +126,7 @@ def accumulate_gradients(
 
   def loss_and_grads(b):
     (_, loss), grads = grad_fn(params, b)
-    # Non-float params get float0 gradients from allow_int; give them zeros.
-    grads = jax.tree.map(
-      lambda g, p: g if leaves.is_float(p) else jnp.zeros_like(p), grads, params
-    )
+    grads = zeros_for_non_float(grads, params)
     return loss, grads
 
   def fn(carry, micro_batch, index):

@@ -121,22 +121,20 @@ def check_matches(saved: Any, target: Any, where: str) -> None:
       )
 
 
-def _is_mp(x: Any) -> bool:
-  return isinstance(x, optimizer_state.MixedPrecisionState)
-
-
 def strip_masters(opt_state: Any) -> Any:
   """`opt_state` with every master weight replaced by `optax.MaskedNode()`."""
 
   def strip(s):
-    if not _is_mp(s):
+    if not optimizer_state.is_mixed_precision_state(s):
       return s
     masked = jax.tree.map(
       lambda _: leaves.MASKED, s.master_params, is_leaf=leaves.is_masked
     )
     return s._replace(master_params=masked)
 
-  return jax.tree.map(strip, opt_state, is_leaf=_is_mp)
+  return jax.tree.map(
+    strip, opt_state, is_leaf=optimizer_state.is_mixed_precision_state
+  )
 
 
 def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
@@ -147,7 +145,7 @@ def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
   """
 
   def fill(s, t):
-    if not _is_mp(s):
+    if not optimizer_state.is_mixed_precision_state(s):
       return s
     masters = jax.tree.map(
       lambda m, p: m if leaves.is_masked(m) else p.astype(jnp.float32),
@@ -159,7 +157,9 @@ def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
 
   # `opt_state` leads: a MixedPrecisionState of it is a leaf there, so the
   # template's (with arrays where `opt_state` has masked nodes) pairs whole.
-  return jax.tree.map(fill, opt_state, template, is_leaf=_is_mp)
+  return jax.tree.map(
+    fill, opt_state, template, is_leaf=optimizer_state.is_mixed_precision_state
+  )
 
 
 def unreadable_leaves(path: str, tree: Any, limit: int = 5) -> list[str]:

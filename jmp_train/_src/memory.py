@@ -21,12 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jmp_train._src import leaves, zero1
-from jmp_train._src.optimizer_state import MixedPrecisionState
-
-
-def _is_mixed_precision_state(x: Any) -> bool:
-  return isinstance(x, MixedPrecisionState)
+from jmp_train._src import leaves, optimizer_state, zero1
 
 
 def _device_bytes(x: Any) -> int:
@@ -105,10 +100,7 @@ def memory_table(
     param_shardings = plan.param_shardings
   master = sum(
     _tree_bytes(s.master_params)
-    for s in jax.tree.leaves(
-      stored.opt_state, is_leaf=_is_mixed_precision_state
-    )
-    if _is_mixed_precision_state(s)
+    for s in optimizer_state.mixed_precision_states(stored.opt_state)
   )
 
   def grad(p):

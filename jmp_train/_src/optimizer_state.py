@@ -47,14 +47,16 @@ class MixedPrecisionState(NamedTuple):
   skip_streak: jax.Array
 
 
-def _is_state(x: Any) -> bool:
+def is_mixed_precision_state(x: Any) -> bool:
   return isinstance(x, MixedPrecisionState)
 
 
 def _states_with_paths(opt_state: Any) -> list[tuple]:
   """`(tree path, state)` of every `mixed_precision` state, in tree order."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)
-  return [(path, leaf) for path, leaf in flat if _is_state(leaf)]
+  flat, _ = jax.tree_util.tree_flatten_with_path(
+    opt_state, is_leaf=is_mixed_precision_state
+  )
+  return [(path, leaf) for path, leaf in flat if is_mixed_precision_state(leaf)]
 
 
 def mixed_precision_states(opt_state: Any) -> list[MixedPrecisionState]:
@@ -130,7 +132,7 @@ def _check_outermost(opt_state: Any, path: tuple) -> None:
     in_chain = type(node) is tuple and isinstance(
       key, jax.tree_util.SequenceKey
     )
-    in_named = isinstance(node, dict) and _is_state(child)
+    in_named = isinstance(node, dict) and is_mixed_precision_state(child)
     if in_chain or in_named:
       keys = range(len(node)) if in_chain else list(node)
       at = key.idx if in_chain else key.key

@@ -128,7 +128,7 @@ def adjust_precision(
   if not _same_settings(scaler, preset.loss_scale):
     scaler = preset.loss_scale
   new_state = state._replace(loss_scaler=scaler, master_params=masters)
-  is_state = lambda x: isinstance(x, optimizer_state.MixedPrecisionState)  # noqa: E731
+  is_state = optimizer_state.is_mixed_precision_state
   new_opt_state = jax.tree.map(
     lambda x: new_state if is_state(x) else x, opt_state, is_leaf=is_state
   )

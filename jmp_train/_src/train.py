@@ -114,13 +114,14 @@ class TrainState:
       # Under jit the state gets its own buffers: the step donates it, and
       # the caller's params must survive that.
       return jax.jit(build)(*args)
+    abstract = jax.eval_shape(build, *args)
     zero1.check_tree(
-      jax.eval_shape(build, *args).opt_state,
+      abstract.opt_state,
       plan.logical_opt_state,
       "tx.init(params)",
       "Build the plan with this optimizer and these params.",
     )
-    shardings = plan.state_shardings(jax.eval_shape(build, *args))
+    shardings = plan.state_shardings(abstract)
     return jax.jit(
       lambda *a: zero1.laid_out(plan, build(*a)), out_shardings=shardings
     )(*args)
@@ -166,12 +167,7 @@ def _micro_grads(loss_fn, has_aux, accum_steps):
 
       grad = jax.grad(scaled, argnums=(0, 1), has_aux=True, allow_int=True)
       (grads, fp8_grads), (loss, new_state, metrics) = grad(params, fp8)
-      # Non-float params get float0 gradients from allow_int: zeros instead.
-      grads = jax.tree.map(
-        lambda g, p: g if leaves.is_float(p) else jnp.zeros_like(p),
-        grads,
-        params,
-      )
+      grads = accumulation.zeros_for_non_float(grads, params)
       return new_state, ((loss, grads, metrics), fp8_grads)
 
     model_state, (loss, grads, metrics), fp8_grads = (
@@ -333,7 +329,7 @@ def make_train_step(
 def _mean(accum_steps: int, n: int):
   """Divides summed grads by micro-batches x devices, in >= float32.
 
-  float16 grads were divided by N before the device sum (see `_reduce`).
+  float16 grads were divided by N before the device sum (see `_sharded`).
   """
 
   def mean(g):
