@@ -12,6 +12,7 @@ named presets. The implementation lives in `jmp_train._src`.
 from jmp_train import (
   accumulation,
   checkpoint,
+  distributed,
   fp8,
   linen,
   memory,
@@ -98,6 +99,7 @@ __all__ = [
   "cast_to_half",
   "checkpoint",
   "current_loss_scale",
+  "distributed",
   "dtype_to_names",
   "dynamic_loss_scale",
   "fp8",
@@ -113,8 +115,6 @@ __all__ = [
   "schedule",
   "select_tree",
   "train",
-  "zero1",
-  "train",
-  "zero1",
   "train_metrics",
+  "zero1",
 ]

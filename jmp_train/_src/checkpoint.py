@@ -50,7 +50,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from jmp_train._src import checkpoint_format as fmt
-from jmp_train._src import train, zero1
+from jmp_train._src import distributed, train, zero1
 
 _logger = logging.getLogger("jmp_train.checkpoint")
 
@@ -121,12 +121,23 @@ def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
 
 
 def _sharding_or_default(x: Any) -> Any:
-  """Where a leaf of a target without a plan goes: its own sharding, or the
-  default device for an abstract leaf that has none."""
+  """Where a leaf of a target without a plan goes: its own sharding, or this
+  process's first device for a leaf that has none (a NumPy or abstract
+  leaf; `jax.devices()[0]` would be process 0's)."""
   sharding = getattr(x, "sharding", None)
   if sharding is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(distributed.local_device())
   return sharding
+
+
+def _global(items: dict[str, Any], what: str) -> dict[str, Any]:
+  """Items to save without a plan: with several processes, their
+  process-local leaves, checked to be the same on every process, become
+  replicated global arrays (orbax saves global arrays only)."""
+  if jax.process_count() == 1:
+    return items
+  distributed.check_same_on_every_process(items, what)
+  return distributed.replicated_global(items)
 
 
 def _key_data(key: Any) -> jax.ShapeDtypeStruct:
@@ -264,9 +275,11 @@ class Checkpointer:
     if plan is not None:
       state = zero1.to_logical(_checked_plan(plan), state)
     key = state.key
+    if key is not None:
+      key = jax.random.key_data(key)
     rest = {
       "step": state.step,
-      "key": None if key is None else jax.random.key_data(key),
+      "key": key,
       "model_state": state.model_state,
       "fp8": state.fp8,
     }
@@ -275,7 +288,9 @@ class Checkpointer:
       "opt_state": state.opt_state,
       "train": rest,
     }
-    impl = None if key is None else str(jax.random.key_impl(key))
+    impl = None if key is None else str(jax.random.key_impl(state.key))
+    if plan is None:
+      items = _global(items, "save_state's state (without a plan)")
     self._write(step, items, {"train_state": True, "key_impl": impl})
 
   def save(
@@ -308,7 +323,10 @@ class Checkpointer:
     if plan is not None:
       state = _bare_state(params, opt_state)
       opt_state = zero1.to_logical(_checked_plan(plan), state).opt_state
-    self._write(step, {"params": params, "opt_state": opt_state}, {})
+    items = {"params": params, "opt_state": opt_state}
+    if plan is None:
+      items = _global(items, "save's params and opt_state (without a plan)")
+    self._write(step, items, {})
 
   def _write(self, step: int, items: dict[str, Any], meta: dict) -> None:
     """Saves `items` as checkpoint `step` if steps go forward, deleting an
@@ -327,8 +345,9 @@ class Checkpointer:
       abandoned = [s for s in steps if s > restored]
       if abandoned:
         _logger.warning(
-          "Deleting checkpoints %s in %s: they follow step %d, which was "
+          "%sDeleting checkpoints %s in %s: they follow step %d, which was "
           "restored, and belong to the abandoned run.",
+          distributed.process_prefix(),
           abandoned,
           self.directory,
           restored,
@@ -494,10 +513,7 @@ class Checkpointer:
       # Compiling (not running) tx.init gives where jit puts each state
       # leaf: on the params' devices and shardings, moments like their param.
       target = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(
-          p.shape, p.dtype, sharding=getattr(p, "sharding", None)
-        ),
-        params,
+        lambda p: _abstract(p, _sharding_or_default(p)), params
       )
       compiled = jax.jit(tx.init).trace(target).lower().compile()
       param_shardings = compiled.input_shardings[0][0]

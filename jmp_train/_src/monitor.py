@@ -110,9 +110,17 @@ def loss_scale_alarms(
 
 
 def _emit(dynamic: bool, falling, at_minimum, scale, streak) -> None:
+  # The callback runs on one process (the one holding device 0): say which,
+  # and that the scale it reports is every process's.
+  where = ""
+  if jax.process_count() > 1:
+    where = (
+      f" (process {jax.process_index()} of {jax.process_count()}, for all: "
+      "the loss scale is the same on every process)"
+    )
   if at_minimum:
     warnings.warn(
-      f"jmp_train: loss scale is at its minimum ({float(scale):g}) and "
+      f"jmp_train{where}: loss scale is at its minimum ({float(scale):g}) and "
       f"gradients are still non-finite ({int(streak)} skipped steps in a "
       "row): the model itself produces inf/NaN; see "
       "jmp_train.monitor.nonfinite_report.",
@@ -122,7 +130,7 @@ def _emit(dynamic: bool, falling, at_minimum, scale, streak) -> None:
   elif falling:
     what = "loss scale keeps falling" if dynamic else "steps keep failing"
     warnings.warn(
-      f"jmp_train: {what} ({int(streak)} skipped steps in a row, loss scale "
+      f"jmp_train{where}: {what} ({int(streak)} skipped steps in a row, loss scale "
       f"now {float(scale):g}).",
       RuntimeWarning,
       stacklevel=2,
@@ -134,7 +142,10 @@ def warn_loss_scale(opt_state: Any, *, falling_streak: int = 5) -> dict:
 
   Inside jit this costs a `lax.cond`: the host callback
   (`jax.debug.callback`) runs only on steps where an alarm is on, so healthy
-  steps never sync. Returns the alarms, for logging.
+  steps never sync. Returns the alarms, for logging. With several processes
+  the warning is raised once, on the process holding the first device
+  (process 0 for a mesh over `jax.devices()`), and names it; the returned
+  alarms are on every process.
   """
   alarms = loss_scale_alarms(opt_state, falling_streak=falling_streak)
   state = optimizer_state.find_state(opt_state)

@@ -23,6 +23,7 @@ retry draws new randomness.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmp_train._src import (
   accumulation,
+  distributed,
   leaves,
   optimizer_state,
   transform,
@@ -110,6 +112,11 @@ class TrainState:
 
     args = (params, {} if model_state is None else model_state)
     args += ({} if fp8 is None else fp8, key)
+    if plan is not None and distributed.spans_processes(plan.mesh):
+      names = ("params", "model_state", "fp8", "key")
+      distributed.check_same_on_every_process(
+        dict(zip(names, args, strict=True)), "TrainState.create's arguments"
+      )
     if plan is None:
       # Under jit the state gets its own buffers: the step donates it, and
       # the caller's params must survive that.
@@ -323,7 +330,83 @@ def make_train_step(
 
   # keep_unused: every state leaf stays an argument, so memory_analysis()
   # counts it.
-  return jax.jit(laid_out, donate_argnums=0, keep_unused=True)
+  jitted = jax.jit(laid_out, donate_argnums=0, keep_unused=True)
+  if not distributed.spans_processes(plan.mesh):
+    return jitted
+
+  # With several processes a NumPy or process-local batch would be taken as
+  # the whole batch, of which each process keeps its own rows: refused.
+  @functools.wraps(step)
+  def checked(state, batch):
+    distributed.check_global_batch(batch)
+    return jitted(state, batch)
+
+  checked.lower = jitted.lower
+  checked.trace = jitted.trace
+  checked.eval_shape = jitted.eval_shape
+  return checked
+
+
+def global_batch(local_batch: Any, plan: zero1.Plan | None = None) -> Any:
+  """The step's batch, built from this process's rows of it.
+
+  With several processes each process passes its own rows (the same number
+  on every process) and gets the global batch the step takes: process 0's
+  rows first, then process 1's, and so on (`jax.make_array_from_process_
+  local_data` on the plan's batch sharding); nothing is copied between
+  processes. In one process this is the whole batch, placed on the plan's
+  devices (or on the default device without a plan).
+
+  Args:
+    local_batch: a pytree of arrays with this process's rows on axis 0
+      (NumPy or JAX; leaves that already are global arrays are kept).
+    plan: the step's `zero1.Plan`; None for a step without one.
+
+  Returns:
+    The batch as global `jax.Array`s.
+
+  Raises:
+    ValueError: a leaf has no rows axis, or this process's rows do not
+      split evenly over its devices on the data axis; or several processes
+      and no plan.
+
+  Example:
+    >>> import numpy as np
+    >>> batch = global_batch({"tokens": np.zeros((4, 9), np.int32)})
+    >>> batch["tokens"].shape
+    (4, 9)
+  """
+  if plan is None:
+    if jax.process_count() > 1:
+      raise ValueError(
+        f"{distributed.process_prefix()}global_batch needs the step's plan "
+        "when there are several processes (its mesh says which rows go "
+        "where); got plan=None."
+      )
+    return jax.tree.map(jnp.asarray, local_batch)
+  axis = plan.mesh.axis_names.index(plan.data_axis)
+  here = jax.process_index()
+  positions = {
+    index[axis]
+    for index, d in np.ndenumerate(plan.mesh.devices)
+    if d.process_index == here
+  }
+
+  def make(path, x):
+    if not distributed.is_process_local(x):
+      return x
+    if np.ndim(x) == 0 or np.shape(x)[0] % len(positions):
+      raise ValueError(
+        f"{distributed.process_prefix()}local batch leaf "
+        f"{leaves.keystr(path)!r} has shape {np.shape(x)}: this process's "
+        f"rows must split evenly over its {len(positions)} positions on the "
+        f"data axis {plan.data_axis!r}."
+      )
+    return jax.make_array_from_process_local_data(
+      plan.batch_sharding, np.asarray(x)
+    )
+
+  return jax.tree_util.tree_map_with_path(make, local_batch)
 
 
 def _mean(accum_steps: int, n: int):

@@ -34,7 +34,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_train._src import leaves
+from jmp_train._src import distributed, leaves
 
 
 class LeafLayout(NamedTuple):
@@ -370,7 +370,8 @@ def place(plan: Plan, state: Any) -> Any:
 
   Pads the optimizer-state leaves that ZeRO-1 partitions and puts every leaf
   on its sharding. `state` holds the logical optimizer state, as
-  `tx.init(params)` or a checkpoint gives it.
+  `tx.init(params)` or a checkpoint gives it. With several processes, its
+  process-local leaves must be the same on every process (checked).
   """
   check_tree(
     state.opt_state,
@@ -379,6 +380,8 @@ def place(plan: Plan, state: Any) -> Any:
     "Build it with the plan's optimizer for these params (their dtypes "
     "and shapes).",
   )
+  if distributed.spans_processes(plan.mesh):
+    distributed.check_same_on_every_process(state, "zero1.place's state")
   return jax.jit(
     lambda s: laid_out(plan, s), out_shardings=plan.state_shardings(state)
   )(state)
