@@ -208,6 +208,10 @@ def replicas_agree(tree):
   return True
 
 
+def copy(state):
+  return jax.jit(lambda s: jax.tree.map(jnp.copy, s))(state)
+
+
 def caught(fn):
   try:
     fn()
@@ -259,10 +263,11 @@ def main(out, ckpt1):
     arrays["no_plan"] = fetch((params, opt_state))
 
   # What must be refused, alike on every process.
+  # (On a copy: a step that wrongly ran would donate the state.)
   batch = data()[0]
-  report["numpy_batch"] = caught(lambda: step(state, batch))
+  report["numpy_batch"] = caught(lambda: step(copy(state), batch))
   report["local_batch"] = caught(
-    lambda: step(state, jax.tree.map(jnp.asarray, local_rows(batch)))
+    lambda: step(copy(state), jax.tree.map(jnp.asarray, local_rows(batch)))
   )
   # Params each process built for itself, differently (as a per-process
   # seed would): not one replicated value.

@@ -83,7 +83,9 @@ class TrainState:
 
     With a `plan`, the state is laid out as the plan says (`zero1.place`);
     the optimizer state is built inside jit with its final shardings, so it
-    never exists whole on one device.
+    never exists whole on one device. When the plan's mesh spans several
+    processes, the arguments each process passes must be the same on every
+    process (checked; the error names the leaves that differ).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -243,7 +245,10 @@ def make_train_step(
 
   Returns:
     The jitted step. `metrics` holds the mean loss, the aux metrics and, with
-    `mixed_precision`, `train_metrics(opt_state)`.
+    `mixed_precision`, `train_metrics(opt_state)`. When the plan's mesh spans
+    several processes, the step takes global arrays only (`global_batch`)
+    and refuses NumPy or process-local batch leaves, which JAX would take
+    as the whole batch and keep only this process's rows of.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_train
