@@ -53,6 +53,7 @@ CPU_JOBS = {
   "compile": "compile_time.py",
   "fp8": "fp8.py --accuracy",
   "gpt": "gpt_compare.py --chart docs/gpt-compare.png",
+  "multihost": "multihost.py",
 }
 GPU_JOBS = {
   "gpt2": "gpt2.py",
@@ -79,6 +80,8 @@ CPU_QUICK = {
   "fp8": "fp8.py --accuracy --epochs 1",
   "gpt": "gpt_compare.py --steps 6 --layers 1 --d-model 32 --seq-len 16"
   " --eval-every 3 --text-bytes 100000",
+  "multihost": "multihost.py --layers 1 --d-model 32 --seq-len 16 --batch 8"
+  " --steps 2 --warmup 1 --rounds 1",
 }
 GPU_QUICK = {
   "gpt2": "gpt2.py --tiny --rounds 1",

@@ -15,10 +15,23 @@ dtype.
 On one device the train step below is written out: scale the loss, take
 `jax.grad`, hand the scaled gradients to `tx.update` (which unscales them,
 skips the step if any is not finite and adjusts the loss scale), then
-`optax.apply_updates`. `--accum` and `--zero1` use the library's step
-instead (`jmp_train.train.make_train_step`), which does the same per
-micro-batch and device, and with `--zero1` splits the optimizer state and
-the float32 master weights over 8 devices.
+`optax.apply_updates`. `--accum`, `--zero1` and several processes use the
+library's step instead (`jmp_train.train.make_train_step`), which does the
+same per micro-batch and device, and with `--zero1` splits the optimizer
+state and the float32 master weights over every device (8 virtual ones in
+a lone CPU process).
+
+Several processes (hosts) run the same script; each joins the run with
+`jmp_train.distributed.initialize()` and loads only its own rows of each
+batch:
+
+  python -m jmp_train.launch -n 2 --cpu-devices 4 examples/gpt.py --zero1
+  srun --nodes=2 --ntasks-per-node=1 python examples/gpt.py --zero1
+
+The first starts 2 processes of 4 virtual CPU devices each on this machine;
+the second runs under Slurm (one process per node, its GPUs as devices).
+Both train on the same batches as one process would, and only process 0
+writes outputs.
 
 Writes runs/gpt-<preset>/metrics-<preset>.json and curves.png (with --compare:
 runs/gpt-compare/, one metrics file per preset and one chart).
@@ -41,7 +54,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 import jmp_train
-from jmp_train import monitor, train, zero1
+from jmp_train import distributed, monitor, train, zero1
 
 ZERO1_DEVICES = 8
 
@@ -68,7 +81,8 @@ def parse_args(argv=None):
   p.add_argument(
     "--zero1",
     action="store_true",
-    help=f"ZeRO-1 on {ZERO1_DEVICES} devices (virtual CPU devices on a CPU)",
+    help="ZeRO-1 over every device (in a lone CPU process, "
+    f"{ZERO1_DEVICES} virtual ones)",
   )
   p.add_argument(
     "--accum", type=int, default=1, help="micro-batches per step (float32)"
@@ -127,11 +141,22 @@ def run_preset(args, preset_name, text, out_dir):
   split = int(0.9 * len(text))
   train_text, val_text = text[:split], text[split:]
   rng = np.random.default_rng(args.seed)  # the same batches for every preset
+  # Every process draws the whole batch's windows (the same global batch
+  # whatever the process count) and loads only its rows of it.
+  processes, me = jax.process_count(), jax.process_index()
+  if args.batch_size % processes:
+    raise SystemExit(
+      f"--batch-size {args.batch_size} does not split over {processes} "
+      "processes; give a multiple of the process count."
+    )
+  per_process = args.batch_size // processes
+  mine = slice(me * per_process, (me + 1) * per_process)
 
-  def windows(source, n):
-    """n random windows of seq_len + 1 characters: inputs and targets."""
+  def windows(source, n, rows=slice(None)):
+    """n random windows of seq_len + 1 characters (inputs and targets);
+    only those in `rows` are loaded."""
     starts = rng.integers(0, len(source) - args.seq_len - 1, n)
-    return np.stack([source[s : s + args.seq_len + 1] for s in starts])
+    return np.stack([source[s : s + args.seq_len + 1] for s in starts[rows]])
 
   val_batches = np.stack([windows(val_text, args.batch_size) for _ in range(4)])
 
@@ -171,22 +196,30 @@ def run_preset(args, preset_name, text, out_dir):
     )
   )
 
-  # Where the state lives: one device, or with --zero1 a plan that splits
-  # the optimizer state and the float32 masters over 8 devices.
+  # Where the state lives: one device; or with --zero1 a plan that splits
+  # the optimizer state and the float32 masters over every device (of every
+  # process); or with several processes and no --zero1, data parallelism.
   plan = None
-  if args.zero1:
+  if args.zero1 or processes > 1:
     devices = jax.devices()
-    if len(devices) < ZERO1_DEVICES:
+    if (
+      args.zero1
+      and processes == 1
+      and devices[0].platform == "cpu"
+      and len(devices) < ZERO1_DEVICES
+    ):
       raise SystemExit(
         f"--zero1 needs {ZERO1_DEVICES} devices, JAX has {len(devices)}."
       )
     mesh = jax.make_mesh(
-      (ZERO1_DEVICES,),
+      (len(devices),),
       ("data",),
       axis_types=(jax.sharding.AxisType.Auto,),
-      devices=devices[:ZERO1_DEVICES],
+      devices=devices,
     )
-    plan = zero1.make_plan(tx, variables["params"], mesh)
+    plan = zero1.make_plan(
+      tx, variables["params"], mesh, zero_stage=1 if args.zero1 else 0
+    )
   state = train.TrainState.create(
     params=variables["params"],
     tx=tx,
@@ -234,10 +267,15 @@ def run_preset(args, preset_name, text, out_dir):
       loss_fn, tx, plan=plan, accum_steps=args.accum
     )
 
-  if plan is None:
+  if plan is not None:
+    # The global batch from this process's rows: each device gets its own.
+    # The validation batches are whole on every process (replicated).
+    put = functools.partial(train.global_batch, plan=plan)
+    val_batches = jax.make_array_from_process_local_data(
+      plan.replicated, val_batches
+    )
+  else:
     put = jnp.asarray
-  else:  # each device gets its rows of the batch
-    put = functools.partial(jax.device_put, device=plan.batch_sharding)
 
   @jax.jit
   def val_loss(state, batches):
@@ -258,10 +296,15 @@ def run_preset(args, preset_name, text, out_dir):
   initial_scale = float(jmp_train.current_loss_scale(state.opt_state))
   history, evals, pending = [], [], []
   start = time.perf_counter()
-  bar = tqdm(range(args.steps), desc=f"gpt {preset_name}", unit="step")
+  bar = tqdm(
+    range(args.steps),
+    desc=f"gpt {preset_name}",
+    unit="step",
+    disable=me != 0,  # one bar, not one per process
+  )
   for i in bar:
     state, metrics = train_step(
-      state, put(windows(train_text, args.batch_size))
+      state, put(windows(train_text, args.batch_size, mine))
     )
     pending.append({**metrics, "alarm": alarm(state.opt_state)})
     if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
@@ -282,7 +325,8 @@ def run_preset(args, preset_name, text, out_dir):
     "policy": str(preset.policy),
     "fp8": dataclasses.asdict(preset.fp8) if preset.fp8 else None,
     "config": {k: v for k, v in vars(args).items() if k != "presets"},
-    "devices": plan.num_shards if plan else 1,
+    "devices": plan.mesh.size if plan else 1,
+    "processes": processes,
     "steps": args.steps,
     "seconds": round(seconds, 2),
     "first_loss": history[0]["loss"],
@@ -296,16 +340,17 @@ def run_preset(args, preset_name, text, out_dir):
     "evals": evals,
     "history": history,
   }
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / f"metrics-{preset_name}.json").write_text(
-    json.dumps(summary, indent=1)
-  )
-  print(
-    f"{preset_name}: loss {summary['first_loss']:.3f} -> val "
-    f"{summary['final_val_loss']:.3f} in {args.steps} steps, {seconds:.1f}s; "
-    f"skipped {summary['skipped_steps']} steps; final loss scale "
-    f"{summary['final_loss_scale']:g}"
-  )
+  if me == 0:  # every process has the summary; one writes it
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"metrics-{preset_name}.json").write_text(
+      json.dumps(summary, indent=1)
+    )
+    print(
+      f"{preset_name}: loss {summary['first_loss']:.3f} -> val "
+      f"{summary['final_val_loss']:.3f} in {args.steps} steps, "
+      f"{seconds:.1f}s; skipped {summary['skipped_steps']} steps; final "
+      f"loss scale {summary['final_loss_scale']:g}"
+    )
   return summary
 
 
@@ -375,9 +420,14 @@ def plot(runs, path, title):
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.zero1:
+  # Join the other processes when a launcher started several (srun,
+  # jmp_train.launch, ...); a lone process goes on alone. Before anything
+  # touches a device.
+  many = distributed.initialize()
+  if args.zero1 and not many:
     # On a CPU, ZeRO-1's devices are virtual; JAX makes them when it starts,
-    # so this comes before anything runs (GPUs and TPUs are what they are).
+    # so this comes before anything runs (GPUs and TPUs are what they are;
+    # a launcher sets each process's CPU devices itself).
     jax.config.update("jax_num_cpu_devices", ZERO1_DEVICES)
   text = load_text(args.text_bytes)
   out_dir = pathlib.Path(args.out) / (
@@ -386,7 +436,9 @@ def main(argv=None):
   runs = [run_preset(args, name, text, out_dir) for name in args.presets]
   mode = []
   if args.zero1:
-    mode.append(f"ZeRO-1 x{ZERO1_DEVICES}")
+    mode.append(f"ZeRO-1 x{jax.device_count()}")
+  if jax.process_count() > 1:
+    mode.append(f"{jax.process_count()} processes")
   if args.accum > 1:
     mode.append(f"accum {args.accum}")
   if args.fp8:
@@ -395,8 +447,9 @@ def main(argv=None):
     f"char GPT ({args.layers}x{args.d_model}, {len(text) / 1e6:.1f} MB of "
     f"stdlib source){', ' + ', '.join(mode) if mode else ''}"
   )
-  plot(runs, out_dir / "curves.png", title)
-  print(f"wrote {out_dir}/metrics-*.json and {out_dir / 'curves.png'}")
+  if jax.process_index() == 0:
+    plot(runs, out_dir / "curves.png", title)
+    print(f"wrote {out_dir}/metrics-*.json and {out_dir / 'curves.png'}")
   return runs
 
 

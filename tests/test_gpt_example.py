@@ -1,4 +1,5 @@
-"""examples/gpt.py end to end on a tiny config: one device, ZeRO-1, FP8."""
+"""examples/gpt.py end to end on a tiny config: one device, ZeRO-1, FP8, and
+ZeRO-1 as 2 processes x 4 CPU devices."""
 
 import json
 import os
@@ -7,6 +8,9 @@ import subprocess
 import sys
 
 import gpt
+import numpy as np
+
+from jmp_train import distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = [
@@ -25,25 +29,34 @@ def check_trained(saved):
   assert max(scales) > scales[0]  # the scaler grew every few finite steps
 
 
-def test_gpt_example_zero1_accum_fp8(tmp_path):
+ZERO1_FLAGS = [
+  *("--preset", "fp16-mixed", "--zero1", "--accum", "2", "--fp8"),
+  *("--steps", "24", *TINY, "--growth-interval", "5", "--eval-every", "12"),
+]
+
+
+def _logs(directory):
+  return "\n".join(
+    f"--- {p.name}\n{p.read_text()[-3000:]}"
+    for p in sorted(pathlib.Path(directory).glob("*.log"))
+  )
+
+
+def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
   # As a user runs it: a fresh process whose 8 CPU devices come from the
   # example's own jax_num_cpu_devices, not from the test session's XLA_FLAGS.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  script = str(ROOT / "examples" / "gpt.py")
   subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "examples" / "gpt.py"),
-      *("--preset", "fp16-mixed", "--zero1", "--accum", "2", "--fp8"),
-      *("--steps", "24", *TINY, "--growth-interval", "5"),
-      *("--eval-every", "12", "--out", str(tmp_path)),
-    ],
+    [sys.executable, script, *ZERO1_FLAGS, "--out", str(tmp_path / "one")],
     env=env,
     check=True,
     capture_output=True,
   )
-  out = tmp_path / "gpt-fp16-mixed"
+  out = tmp_path / "one" / "gpt-fp16-mixed"
   saved = json.loads((out / "metrics-fp16-mixed.json").read_text())
-  assert saved["devices"] == 8 and saved["fp8"]["format"] == "hybrid"
+  assert saved["devices"] == 8 and saved["processes"] == 1
+  assert saved["fp8"]["format"] == "hybrid"
   assert saved["config"]["accum"] == 2 and saved["param_dtypes"] == ["float32"]
   check_trained(saved)
   assert [e["step"] for e in saved["evals"]] == [12, 24]
@@ -52,6 +65,45 @@ def test_gpt_example_zero1_accum_fp8(tmp_path):
   other = dict(saved, preset="fp32")
   gpt.plot([other, saved], tmp_path / "compare.png", "two runs")
   assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+  # The same flags as 2 processes x 4 CPU devices: each loads its rows of
+  # the same global batches, so it trains as the one process did.
+  logs = tmp_path / "logs"
+  code = distributed.launch(
+    [script, *ZERO1_FLAGS, "--out", str(tmp_path / "two")],
+    2,
+    cpu_devices=4,
+    timeout_s=120,
+    log_dir=logs,
+  )
+  assert code == 0, f"exit code {code}\n{_logs(logs)}"
+  two = tmp_path / "two" / "gpt-fp16-mixed"
+  assert sorted(p.name for p in two.iterdir()) == [
+    "curves.png",
+    "metrics-fp16-mixed.json",
+  ]
+  # Process 0 reports; process 1 prints no bar and no summary.
+  first, second = (logs / f"process-{i}.log" for i in range(2))
+  assert first.read_text().count("wrote ") == 1
+  assert "fp16-mixed: loss" in first.read_text()
+  assert "wrote " not in second.read_text()
+  assert "fp16-mixed: loss" not in second.read_text()
+  assert "gpt fp16-mixed" in first.read_text()  # the bar
+  assert "gpt fp16-mixed" not in second.read_text()
+  multi = json.loads((two / "metrics-fp16-mixed.json").read_text())
+  assert multi["devices"] == 8 and multi["processes"] == 2
+  check_trained(multi)
+  # Only the float32 summation order of the collectives differs.
+  np.testing.assert_allclose(
+    [h["loss"] for h in multi["history"]],
+    [h["loss"] for h in saved["history"]],
+    rtol=1e-5,
+  )
+  for key in ("loss_scale", "skipped_steps", "last_step_finite"):
+    assert [h[key] for h in multi["history"]] == [
+      h[key] for h in saved["history"]
+    ], key
+  assert saved["skipped_steps"] > 0  # the skips were compared, not absent
 
 
 def test_gpt_example_one_device_step_written_out(tmp_path):
