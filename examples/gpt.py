@@ -26,10 +26,10 @@ Several processes (hosts) run the same script; each joins the run with
 batch:
 
   python -m jmp_train.launch -n 2 --cpu-devices 4 examples/gpt.py --zero1
-  srun --nodes=2 --ntasks-per-node=1 python examples/gpt.py --zero1
+  srun --nodes=2 --ntasks-per-node=8 --gpus-per-task=1 python examples/gpt.py --zero1
 
 The first starts 2 processes of 4 virtual CPU devices each on this machine;
-the second runs under Slurm (one process per node, its GPUs as devices).
+the second runs under Slurm on 2 nodes of 8 GPUs (one process per GPU).
 Both train on the same batches as one process would, and only process 0
 writes outputs.
 

@@ -9,9 +9,9 @@ from jmp_train._src.distributed import (
   check_same_on_every_process,
   cluster_in_environment,
   initialize,
-  launch,
   process_prefix,
 )
+from jmp_train._src.launch import launch
 
 __all__ = [
   "check_same_on_every_process",

@@ -5,7 +5,7 @@ coordinator on 127.0.0.1 (`jmp_train.distributed.launch`). The script calls
 
 import sys
 
-from jmp_train._src.distributed import main
+from jmp_train._src.launch import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -281,6 +281,30 @@ def main(out, ckpt1):
     )
   )
 
+  report["place_differing"] = caught(
+    lambda: zero1.place(plan, train.TrainState.create(params=differing, tx=tx))
+  )
+  report["save_state_differing"] = caught(
+    lambda: checkpoint.Checkpointer(os.path.join(out, "ck-bad2")).save_state(
+      train.TrainState.create(params=differing, tx=tx)
+    )
+  )
+  report["uneven_rows"] = caught(
+    lambda: train.global_batch({"x": np.zeros((8 + 4 * i, 3))}, plan)
+  )
+  report["no_plan_batch"] = caught(lambda: train.global_batch(batch))
+  report["no_plan_step"] = caught(lambda: train.make_train_step(loss_fn, tx))
+  report["other_structure"] = caught(
+    lambda: distributed.check_same_on_every_process([0.0] * (i + 1), "a list")
+  )
+  # save_state and restore_state without a plan: the state whole on every
+  # process (the same there), saved once, restored onto each process.
+  with checkpoint.Checkpointer(os.path.join(out, "ck2-state")) as ckpt:
+    ckpt.save_state(local)
+    ckpt.wait()
+    back = ckpt.restore_state(target(tx))
+  arrays["state_no_plan"] = fetch(back)
+
   rounded = rounding_run()
   arrays["rounding"] = fetch(rounded)
   report["replicas_agree"] = replicas_agree((state, rounded))

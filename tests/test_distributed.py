@@ -25,8 +25,13 @@ from jmp_train import distributed, train, zero1
     # A shell inside an allocation (no step), or a one-task step: alone.
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}, ""),
     ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}, ""),
-    ({"OMPI_COMM_WORLD_SIZE": "4"}, "open-mpi"),
-    ({"OMPI_COMM_WORLD_SIZE": "1"}, ""),
+    (
+      {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_MCA_orte_hnp_uri": "1.2:tcp://x"},
+      "open-mpi",
+    ),
+    ({"OMPI_COMM_WORLD_SIZE": "1", "OMPI_MCA_orte_hnp_uri": "1.2:tcp://x"}, ""),
+    # Open MPI 5 (PRRTE) sets no ORTE URI, which JAX reads: not detected.
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, ""),
     (
       {"JOB_COMPLETION_INDEX": "3", "KUBERNETES_SERVICE_HOST": "10.0.0.2"},
       "kubernetes",
@@ -79,6 +84,17 @@ def test_launch_refuses_bad_arguments():
     distributed.launch("train.py", 2)
   with pytest.raises(ValueError, match="num_processes"):
     distributed.launch(["train.py"], 0)
+  with pytest.raises(ValueError, match="timeout_s must be a positive"):
+    distributed.launch(["train.py"], 2, timeout_s="5")
+
+
+def test_initialize_names_what_an_explicit_coordinator_lacks(monkeypatch):
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+  monkeypatch.setenv("JAX_PROCESS_ID", "0")
+  with pytest.raises(RuntimeError, match=r"\['JAX_NUM_PROCESSES'\] are not"):
+    distributed.initialize()
+  assert not jax.distributed.is_initialized()
 
 
 def _plan(n=8):

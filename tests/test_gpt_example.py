@@ -73,7 +73,7 @@ def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
     [script, *ZERO1_FLAGS, "--out", str(tmp_path / "two")],
     2,
     cpu_devices=4,
-    timeout_s=120,
+    timeout_s=60,
     log_dir=logs,
   )
   assert code == 0, f"exit code {code}\n{_logs(logs)}"

@@ -21,7 +21,7 @@ import pytest
 from jmp_train import checkpoint, distributed, zero1
 
 CHILD = str(pathlib.Path(_mp_child.__file__))
-TIMEOUT_S = 150
+TIMEOUT_S = 60  # a hang fails within a minute
 
 
 def _logs(directory):
@@ -67,7 +67,7 @@ def runs(tmp_path_factory):
   two = []
   for i in range(2):
     report = json.loads((out / f"process-{i}.json").read_text())
-    for name in ("scratch", "resumed", "no_plan", "rounding"):
+    for name in ("scratch", "resumed", "no_plan", "rounding", "state_no_plan"):
       report[name] = _mp_child.load(out / f"process-{i}-{name}.npz")
     two.append(report)
   return {
@@ -132,6 +132,9 @@ def test_checkpoints_without_a_plan_across_processes(runs):
     # first device (jax.devices()[0] is process 0's).
     assert report["no_plan_devices"] == [report["first_local_device"]]
     assert_same(report["no_plan"], want)
+  # save_state()/restore_state() without a plan on 2 processes.
+  for report in two:
+    assert_same(report["state_no_plan"], one["scratch"], one["names"])
   # save() without a plan on 2 processes, restored in 1.
   with checkpoint.Checkpointer(runs["dir"] / "ck2-no-plan") as ckpt:
     params = _mp_child.target(runs["tx"]).params
@@ -151,9 +154,22 @@ def test_what_would_be_silently_wrong_raises_alike_on_every_process(runs):
       assert "global_batch" in message and "global arrays" in message
     assert "differs between processes" in report["per_process_params"]
     assert "save's params and opt_state" in report["save_differing"]
+    assert "zero1.place's state differs" in report["place_differing"]
+    assert "save_state's state" in report["save_state_differing"]
+    assert "global_batch's local rows" in report["uneven_rows"]
+    assert "another tree structure" in report["other_structure"]
+    assert "global_batch needs the step's plan" in report["no_plan_batch"]
+    assert "plan=None with 2 processes" in report["no_plan_step"]
   # Collective checks: every process raised the same error, none hung.
-  for name in ("per_process_params", "save_differing"):
-    assert two[0][name] == two[1][name]
+  for name in (
+    "per_process_params",
+    "save_differing",
+    "place_differing",
+    "save_state_differing",
+    "uneven_rows",
+    "other_structure",
+  ):
+    assert two[0][name] == two[1][name], name
   assert "leaves ['params/Dense_0/bias'" in two[0]["per_process_params"]
 
 

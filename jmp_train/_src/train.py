@@ -239,7 +239,7 @@ def make_train_step(
     tx: any optax optimizer, typically `mixed_precision(...)`.
     plan: a `zero1.Plan` (ZeRO-1 or data parallel on its mesh); None runs on
       one device without collectives (use a plan on a one-device mesh for a
-      BatchNorm with `axis_name`).
+      BatchNorm with `axis_name`), and only in a lone process.
     accum_steps: micro-batches per step, accumulated in float32.
     has_aux: whether `loss_fn` returns `(loss, (new_model_state, metrics))`.
 
@@ -267,6 +267,14 @@ def make_train_step(
     raise TypeError(
       f"plan must be a jmp_train.zero1.Plan (make_plan(...)) or None, got "
       f"{plan!r}."
+    )
+  if plan is None and jax.process_count() > 1:
+    raise ValueError(
+      f"plan=None with {jax.process_count()} processes would train each "
+      "process on its own batch with its own params, never reduced across "
+      "processes. Pass a plan whose mesh holds every process's devices "
+      "(zero1.make_plan(tx, params, mesh), zero_stage=0 for plain data "
+      "parallelism)."
     )
   n = 1 if plan is None else plan.num_shards
   run = _micro_grads(loss_fn, has_aux, accum_steps)
@@ -356,15 +364,18 @@ def global_batch(local_batch: Any, plan: zero1.Plan | None = None) -> Any:
   """The step's batch, built from this process's rows of it.
 
   With several processes each process passes its own rows (the same number
-  on every process) and gets the global batch the step takes: process 0's
-  rows first, then process 1's, and so on (`jax.make_array_from_process_
-  local_data` on the plan's batch sharding); nothing is copied between
-  processes. In one process this is the whole batch, placed on the plan's
+  on every process: compared with one small all-gather) and gets the
+  global batch the step takes, its rows in the order of the mesh's data
+  positions (process 0's first for a mesh over `jax.devices()`), through
+  `jax.make_array_from_process_local_data` on the plan's batch sharding;
+  nothing is copied between processes. Each data position must be on one
+  process. In one process this is the whole batch, placed on the plan's
   devices (or on the default device without a plan).
 
   Args:
     local_batch: a pytree of arrays with this process's rows on axis 0
-      (NumPy or JAX; leaves that already are global arrays are kept).
+      (NumPy or JAX; with several processes, leaves that already are
+      global arrays are kept).
     plan: the step's `zero1.Plan`; None for a step without one.
 
   Returns:
@@ -372,8 +383,9 @@ def global_batch(local_batch: Any, plan: zero1.Plan | None = None) -> Any:
 
   Raises:
     ValueError: a leaf has no rows axis, or this process's rows do not
-      split evenly over its devices on the data axis; or several processes
-      and no plan.
+      split evenly over its devices on the data axis; processes pass
+      different numbers of rows, or share a data position; or several
+      processes and no plan.
 
   Example:
     >>> import numpy as np
@@ -390,12 +402,30 @@ def global_batch(local_batch: Any, plan: zero1.Plan | None = None) -> Any:
       )
     return jax.tree.map(jnp.asarray, local_batch)
   axis = plan.mesh.axis_names.index(plan.data_axis)
+  owners: dict[int, set[int]] = {}
+  for index, d in np.ndenumerate(plan.mesh.devices):
+    owners.setdefault(index[axis], set()).add(d.process_index)
+  shared = sorted(k for k, procs in owners.items() if len(procs) > 1)
+  if shared:
+    raise ValueError(
+      f"{distributed.process_prefix()}the plan's mesh puts data positions "
+      f"{shared} of axis {plan.data_axis!r} on several processes; "
+      "global_batch takes each process's own rows, which needs each data "
+      "position on one process (make the data axis the mesh's outermost, "
+      "as jax.make_mesh over jax.devices() with it first does)."
+    )
   here = jax.process_index()
-  positions = {
-    index[axis]
-    for index, d in np.ndenumerate(plan.mesh.devices)
-    if d.process_index == here
-  }
+  positions = {k for k, procs in owners.items() if here in procs}
+  if jax.process_count() > 1:
+    rows = np.array(
+      [np.shape(x)[:1] or (-1,) for x in jax.tree.leaves(local_batch)],
+      np.int64,
+    )
+    distributed.check_same_on_every_process(
+      {"rows": rows},
+      "global_batch's local rows per leaf (every process passes the same "
+      "number)",
+    )
 
   def make(path, x):
     if not distributed.is_process_local(x):
