@@ -449,7 +449,8 @@ def main(argv=None):
   )
   if jax.process_index() == 0:
     plot(runs, out_dir / "curves.png", title)
-    print(f"wrote {out_dir}/metrics-*.json and {out_dir / 'curves.png'}")
+    files = ", ".join(f"metrics-{name}.json" for name in args.presets)
+    print(f"wrote {files} and curves.png in {out_dir}")
   return runs
 
 

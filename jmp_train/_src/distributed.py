@@ -131,7 +131,7 @@ def initialize(*, force: bool = False) -> bool:
 
 
 def process_prefix() -> str:
-  """ "process i of n: " in a multi-process run, else "" (for messages)."""
+  """The prefix `process i of n: ` in a multi-process run, else ""."""
   if jax.process_count() == 1:
     return ""
   return f"process {jax.process_index()} of {jax.process_count()}: "
