@@ -21,9 +21,7 @@ the mesh, not on how its devices are split between processes.
 
 import argparse
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,23 +108,10 @@ def run_side(name, model_flags, out, timeout_s):
   """One side in fresh processes; returns what its process 0 wrote."""
   processes, cpu_devices = SIDES[name]
   argv = [__file__, "--worker", str(out), *model_flags]
-  if processes > 1:
-    code = distributed.launch(
-      argv, processes, cpu_devices=cpu_devices, timeout_s=timeout_s
-    )
-  else:  # a lone process, no distributed runtime: 8 virtual devices
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [
-      f
-      for f in env.get("XLA_FLAGS", "").split()
-      if "xla_force_host_platform_device_count" not in f
-    ]
-    flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    code = subprocess.run(
-      [sys.executable, *argv], env=env, timeout=timeout_s
-    ).returncode
+  # One process: `initialize()` leaves it alone (no distributed runtime).
+  code = distributed.launch(
+    argv, processes, cpu_devices=cpu_devices, timeout_s=timeout_s
+  )
   if code:
     raise SystemExit(f"the {name} side failed (exit code {code}).")
   return json.loads(pathlib.Path(out).read_text())

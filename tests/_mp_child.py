@@ -9,6 +9,7 @@ and .json.
 
 import json
 import os
+import pathlib
 import sys
 import warnings
 
@@ -313,6 +314,15 @@ def main(out, ckpt1):
     np.savez(os.path.join(out, f"process-{i}-{name}.npz"), *xs)
   with open(os.path.join(out, f"process-{i}.json"), "w") as f:
     json.dump(report, f)
+
+
+def launch_logs(directory):
+  """The tail of each process's log that `distributed.launch(log_dir=)`
+  wrote, for a failing test's message."""
+  return "\n".join(
+    f"--- {p.name}\n{p.read_text()[-3000:]}"
+    for p in sorted(pathlib.Path(directory).glob("*.log"))
+  )
 
 
 def load(path):

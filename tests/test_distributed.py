@@ -57,6 +57,17 @@ def test_initialize_alone_does_nothing():
     distributed.initialize(force=1)
 
 
+def test_initialize_under_launch_with_one_process_stays_alone(monkeypatch):
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+  monkeypatch.setenv("JMP_TRAIN_NUM_PROCESSES", "1")
+  monkeypatch.setenv("JMP_TRAIN_PROCESS_ID", "0")
+  assert distributed.cluster_in_environment() == "jmp_train.launch"
+  assert distributed.initialize() is False
+  assert not jax.distributed.is_initialized()
+  # Processes it starts are not part of a launched run.
+  assert distributed.cluster_in_environment() == ""
+
+
 def test_launch_command_line_prefixes_each_process(tmp_path):
   script = tmp_path / "hello.py"
   script.write_text(

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import _mp_child
 import gpt
 import numpy as np
 
@@ -33,13 +34,6 @@ ZERO1_FLAGS = [
   *("--preset", "fp16-mixed", "--zero1", "--accum", "2", "--fp8"),
   *("--steps", "24", *TINY, "--growth-interval", "5", "--eval-every", "12"),
 ]
-
-
-def _logs(directory):
-  return "\n".join(
-    f"--- {p.name}\n{p.read_text()[-3000:]}"
-    for p in sorted(pathlib.Path(directory).glob("*.log"))
-  )
 
 
 def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
@@ -76,7 +70,7 @@ def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
     timeout_s=60,
     log_dir=logs,
   )
-  assert code == 0, f"exit code {code}\n{_logs(logs)}"
+  assert code == 0, f"exit code {code}\n{_mp_child.launch_logs(logs)}"
   two = tmp_path / "two" / "gpt-fp16-mixed"
   assert sorted(p.name for p in two.iterdir()) == [
     "curves.png",

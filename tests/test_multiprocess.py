@@ -24,13 +24,6 @@ CHILD = str(pathlib.Path(_mp_child.__file__))
 TIMEOUT_S = 60  # a hang fails within a minute
 
 
-def _logs(directory):
-  return "\n".join(
-    f"--- {p.name}\n{p.read_text()[-3000:]}"
-    for p in sorted(pathlib.Path(directory).glob("*.log"))
-  )
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """Both sides: the 1-process run here, the 2-process run launched."""
@@ -63,7 +56,7 @@ def runs(tmp_path_factory):
     log_dir=out / "logs",
     env={"PYTHONPATH": os.pathsep.join(sys.path)},
   )
-  assert code == 0, f"exit code {code}\n{_logs(out / 'logs')}"
+  assert code == 0, f"exit code {code}\n{_mp_child.launch_logs(out / 'logs')}"
   two = []
   for i in range(2):
     report = json.loads((out / f"process-{i}.json").read_text())

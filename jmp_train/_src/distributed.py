@@ -73,8 +73,8 @@ def initialize(*, force: bool = False) -> bool:
   multi-process launcher (`cluster_in_environment`): `launch`'s
   processes join on 127.0.0.1; under Slurm (`srun`), Open MPI, a Kubernetes
   JobSet or a Cloud TPU slice, JAX detects the coordinator, process count
-  and process id itself. In a lone process it does nothing, so one script
-  runs alike on a laptop and on a cluster. Call it first, before anything
+  and process id itself. In a lone process (`launch -n 1` included) it does
+  nothing, so one script runs alike on a laptop and on a cluster. Call it first, before anything
   creates an array.
 
   Args:
@@ -116,8 +116,15 @@ def initialize(*, force: bool = False) -> bool:
         initialization_timeout=int(os.environ.get(INIT_TIMEOUT_VAR, "300")),
       )
       # Not inherited by processes this one starts (they are not the run's).
-      for name in (NUM_PROCESSES_VAR, PROCESS_ID_VAR, INIT_TIMEOUT_VAR):
+      for name in (
+        "JAX_COORDINATOR_ADDRESS",
+        NUM_PROCESSES_VAR,
+        PROCESS_ID_VAR,
+        INIT_TIMEOUT_VAR,
+      ):
         os.environ.pop(name, None)
+      if kwargs["num_processes"] == 1:
+        return False  # `launch -n 1`: as if started without the launcher
   try:
     jax.distributed.initialize(**kwargs)
   except Exception as e:
