@@ -61,15 +61,9 @@ from jmp_train._src import policy as policy_lib
 DEFAULT_FLOAT32_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
 
 
-class _Override(NamedTuple):
-  cls: type
-  policy: policy_lib.Policy
-  output_to_enclosing: bool  # defaults return to the enclosing compute dtype
-
-
 class _Frame(NamedTuple):
   policy: policy_lib.Policy  # the running module's effective policy
-  overrides: tuple[_Override, ...]  # the innermost wrap's overrides
+  overrides: tuple[policy_lib.Override, ...]  # the innermost wrap's overrides
   creating: bool  # init's first pass: run as written, record param owners
   fp8: fp8_lib.Fp8Recipe | None = None  # FP8 matmuls here, with this recipe
   fp8_exclude: tuple = ()  # module classes and name patterns kept out of FP8
@@ -180,14 +174,6 @@ def _is_box(x: Any) -> bool:
   return isinstance(x, _CastOnRead)
 
 
-def _find_override(module: nn.Module, overrides) -> _Override | None:
-  by_class = {o.cls: o for o in overrides}
-  for cls in type(module).__mro__:
-    if cls in by_class:
-      return by_class[cls]
-  return None
-
-
 def _matches(module: nn.Module, selectors: tuple) -> bool:
   """Whether `module` is an instance of, or named like, one of `selectors`:
   module classes, or glob patterns on its name and "/"-joined path."""
@@ -237,7 +223,7 @@ def _interceptor(next_fun, args, kwargs, context):
   if not frames or isinstance(module, _Wrapped) or module.scope is None:
     return next_fun(*args, **kwargs)
   outer = frames[-1]
-  override = _find_override(module, outer.overrides)
+  override = policy_lib.find_override(module, outer.overrides)
   policy = override.policy if override else outer.policy
   set_fields = outer.set_dtype_fields and not _matches(module, outer.respect)
   if set_fields and not outer.creating:
@@ -296,7 +282,7 @@ class _Wrapped(nn.Module):
 
   module: nn.Module
   policy: policy_lib.Policy
-  overrides: tuple[_Override, ...]
+  overrides: tuple[policy_lib.Override, ...]
   fp8: fp8_lib.Fp8Recipe | None = None
   fp8_exclude: tuple = ()
   respect_dtype_fields: bool | tuple = False
@@ -321,7 +307,7 @@ class _Wrapped(nn.Module):
       respect = self.respect_dtype_fields
       if respect is True or (respect and _matches(inner, respect)):
         return value
-      override = _find_override(inner, self.overrides)
+      override = policy_lib.find_override(inner, self.overrides)
       policy = override.policy if override else self.policy
       return _effective_fields(inner, policy).get(name, value)
     if inspect.isfunction(inspect.getattr_static(type(inner), name, None)):
@@ -541,22 +527,9 @@ def wrap(
   if not isinstance(module, nn.Module):
     raise TypeError(f"wrap expects a flax.linen Module, got {module!r}.")
   policy = policy_lib.get_policy(policy)
-  float32 = np.dtype(np.float32)
-  table: dict[type, _Override] = {
-    cls: _Override(
-      cls, policy_lib.Policy(float32, float32, policy.compute_dtype), True
-    )
-    for cls in DEFAULT_FLOAT32_MODULES
-  }
-  for cls, value in (overrides or {}).items():
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-      raise TypeError(
-        f"overrides keys must be flax.linen Module classes, got {cls!r}."
-      )
-    if value is None:
-      table.pop(cls, None)
-    else:
-      table[cls] = _Override(cls, policy_lib.get_policy(value), False)
+  table = policy_lib.override_table(
+    policy, overrides, DEFAULT_FLOAT32_MODULES, nn.Module, "flax.linen"
+  )
   if fp8 is True:
     fp8 = fp8_lib.Fp8Recipe()
   if not (fp8 is None or fp8 is False or isinstance(fp8, fp8_lib.Fp8Recipe)):
@@ -571,7 +544,7 @@ def wrap(
   return _Wrapped(
     module=module,
     policy=policy,
-    overrides=tuple(table.values()),
+    overrides=table,
     fp8=fp8 or None,
     fp8_exclude=fp8_exclude,
     respect_dtype_fields=respect_dtype_fields,

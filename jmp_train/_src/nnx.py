@@ -44,7 +44,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import flax.nnx as nnx
-import numpy as np
 from flax.nnx import graph as nnx_graph
 
 from jmp_train._src import policy as policy_lib
@@ -77,14 +76,6 @@ class _Context(threading.local):
 
 
 _CTX = _Context()
-
-
-def _find_override(module: nnx.Module, overrides) -> tuple | None:
-  by_class = {o[0]: o for o in overrides}
-  for cls in type(module).__mro__:
-    if cls in by_class:
-      return by_class[cls]
-  return None
 
 
 def _owners(model: nnx.Module) -> tuple[list, list]:
@@ -327,24 +318,6 @@ def _convert(
   object.__setattr__(module, _CONFIG, config)
 
 
-def _override_table(policy, overrides) -> tuple:
-  float32 = np.dtype(np.float32)
-  table: dict[type, tuple] = {
-    cls: (cls, policy_lib.Policy(float32, float32, policy.compute_dtype), True)
-    for cls in DEFAULT_FLOAT32_MODULES
-  }
-  for cls, value in (overrides or {}).items():
-    if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
-      raise TypeError(
-        f"overrides keys must be flax.nnx Module classes, got {cls!r}."
-      )
-    if value is None:
-      table.pop(cls, None)
-    else:
-      table[cls] = (cls, policy_lib.get_policy(value), False)
-  return tuple(table.values())
-
-
 def wrap(
   model: nnx.Module,
   policy: policy_lib.Policy | str,
@@ -414,7 +387,9 @@ def wrap(
   if not isinstance(model, nnx.Module):
     raise TypeError(f"wrap expects a flax.nnx Module, got {model!r}.")
   policy = policy_lib.get_policy(policy)
-  table = _override_table(policy, overrides)
+  table = policy_lib.override_table(
+    policy, overrides, DEFAULT_FLOAT32_MODULES, nnx.Module, "flax.nnx"
+  )
   if isinstance(methods, str):
     methods = (methods,)
   if isinstance(methods, Iterable):
@@ -444,7 +419,7 @@ def wrap(
       continue
     if getattr(node, _CONFIG, None) is not None:
       _unconvert(node)  # an override of this model's previous wrap
-    override = _find_override(node, table)
+    override = policy_lib.find_override(node, table)
     if override is not None:
       _, sub_policy, to_enclosing = override
       _convert(node, _Config(sub_policy, to_enclosing, False))

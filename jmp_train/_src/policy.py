@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +169,52 @@ def with_policy_dtypes(config: Any, policy: Policy) -> Any:
   those fields set to `policy`'s, or None if it has none to set."""
   updates = dtype_field_updates(config, policy)
   return dataclasses.replace(config, **updates) if updates else None
+
+
+class Override(NamedTuple):
+  """A module class's policy under `linen.wrap`/`nnx.wrap`."""
+
+  cls: type
+  policy: Policy
+  output_to_enclosing: bool  # defaults return to the enclosing compute dtype
+
+
+def override_table(
+  policy: Policy,
+  overrides: Mapping[type, Any] | None,
+  defaults: tuple[type, ...],
+  base: type,
+  framework: str,
+) -> tuple[Override, ...]:
+  """The overrides a `wrap` applies: float32 params and compute for the
+  `defaults` (normalization layers, outputs back to the enclosing compute
+  dtype), then the user's `overrides` (a policy or its string; None removes
+  a default), whose keys must be subclasses of `base` (`framework`'s
+  Module, for the error)."""
+  float32 = np.dtype(np.float32)
+  table = {
+    cls: Override(cls, Policy(float32, float32, policy.compute_dtype), True)
+    for cls in defaults
+  }
+  for cls, value in (overrides or {}).items():
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+      raise TypeError(
+        f"overrides keys must be {framework} Module classes, got {cls!r}."
+      )
+    if value is None:
+      table.pop(cls, None)
+    else:
+      table[cls] = Override(cls, get_policy(value), False)
+  return tuple(table.values())
+
+
+def find_override(module: Any, overrides: tuple[Override, ...]):
+  """The override of `module`'s class or its nearest base class, or None."""
+  by_class = {o.cls: o for o in overrides}
+  for cls in type(module).__mro__:
+    if cls in by_class:
+      return by_class[cls]
+  return None
 
 
 def is_castable(x: Any) -> bool:
