@@ -10,8 +10,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType
+
+import jmp_train
 
 MODEL = gpt_model.GPT(layers=1, d_model=16, heads=2, seq_len=8, vocab=37)
+
+
+def mesh(shape=(8,), names=("data",)):
+  """A GSPMD-style mesh (Auto axes) from jax.make_mesh."""
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def tx():
+  """The mesh tests' optimizer: clipped AdamW under a dynamic loss scale."""
+  return jmp_train.mixed_precision(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3)),
+    loss_scale=jmp_train.dynamic_loss_scale(2.0**10, growth_interval=4),
+  )
 
 
 def init_params(dtype=jnp.float32, seed=0):
@@ -63,8 +79,6 @@ def reference_run(tx, params, data):
   """The unsharded run: one device, `jax.grad` of the whole batch's loss
   times the loss scale, `tx.update`, `optax.apply_updates`. Written without
   the step builder or the accumulation code: it is what they must equal."""
-  import jmp_train
-
   state = tx.init(params)
 
   @jax.jit

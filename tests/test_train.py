@@ -11,24 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jmp_train
 from jmp_train import train, zero1
 
 DEVICES, ACCUM = 8, 2
-
-
-def _mesh(shape=(8,), names=("data",)):
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-
-
-def _tx():
-  return jmp_train.mixed_precision(
-    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3)),
-    loss_scale=jmp_train.dynamic_loss_scale(2.0**10, growth_interval=4),
-  )
 
 
 # --- A ResNet-style model with BatchNorm and dropout ------------------------
@@ -183,9 +171,9 @@ def resnet_runs():
   )
   params, batch_stats = variables["params"], variables["batch_stats"]
   key = jax.random.key(42)
-  tx = _tx()
+  tx = _models.tx()
   reference = _resnet_reference(tx, params, batch_stats, data, key)
-  plan = zero1.make_plan(tx, params, _mesh())
+  plan = zero1.make_plan(tx, params, _models.mesh())
   state = train.TrainState.create(
     params=params,
     tx=tx,
@@ -259,7 +247,7 @@ def test_dropout_keys_differ_per_step_micro_batch_and_device():
   tx = optax.sgd(0.0)
   params = {"w": jnp.ones(3)}
   key = jax.random.key(7)
-  plan = zero1.make_plan(tx, params, _mesh())
+  plan = zero1.make_plan(tx, params, _models.mesh())
   state = train.TrainState.create(params=params, tx=tx, key=key, plan=plan)
   step = train.make_train_step(
     loss_fn, tx, plan=plan, accum_steps=ACCUM, has_aux=True
@@ -307,11 +295,11 @@ def _run(step, state, data):
 def test_equals_the_reference_run_with_a_nonfinite_step(zero_stage):
   data = _models.batches(12, poison_at=(5,))
   params0 = _models.init_params(jnp.float32)
-  tx = _tx()
+  tx = _models.tx()
   ref_params, ref_state, ref_losses = _models.reference_run(tx, params0, data)
   plan = None
   if zero_stage is not None:
-    plan = zero1.make_plan(tx, params0, _mesh(), zero_stage=zero_stage)
+    plan = zero1.make_plan(tx, params0, _models.mesh(), zero_stage=zero_stage)
   state = train.TrainState.create(params=params0, tx=tx, plan=plan)
   step = train.make_train_step(_models.loss_fn, tx, plan=plan)
   state, losses, metrics = _run(step, state, data)
@@ -341,7 +329,7 @@ def test_zero1_accumulation_equals_one_big_batch():
   # Poison rows 0..1 of step 2: device 0's first micro-batch only.
   data = _models.batches(5, batch=32, poison_at=(2,), poison_rows=slice(0, 2))
   ref_params, _, ref_losses = _models.reference_run(tx, params0, data)
-  plan = zero1.make_plan(tx, params0, _mesh())
+  plan = zero1.make_plan(tx, params0, _models.mesh())
   state = train.TrainState.create(params=params0, tx=tx, plan=plan)
   step = train.make_train_step(_models.loss_fn, tx, plan=plan, accum_steps=2)
   state, losses, metrics = _run(step, state, data)
@@ -359,9 +347,9 @@ def test_zero1_accumulation_equals_one_big_batch():
 def test_bf16_params_match_the_reference_masters():
   data = _models.batches(4)
   params0 = _models.init_params(jnp.bfloat16)
-  tx = _tx()
+  tx = _models.tx()
   ref_params, ref_state, ref_losses = _models.reference_run(tx, params0, data)
-  plan = zero1.make_plan(tx, params0, _mesh())
+  plan = zero1.make_plan(tx, params0, _models.mesh())
   state = train.TrainState.create(params=params0, tx=tx, plan=plan)
   step = train.make_train_step(_models.loss_fn, tx, plan=plan, accum_steps=2)
   state, losses, _ = _run(step, state, data)
@@ -386,7 +374,7 @@ def test_bf16_params_match_the_reference_masters():
 
 
 def test_2d_mesh_data_and_model():
-  mesh = _mesh((4, 2), ("data", "model"))
+  mesh = _models.mesh((4, 2), ("data", "model"))
   params0 = _models.init_params(jnp.float32)
   specs = jax.tree.map(lambda _: P(), params0)
   block = specs["block0"]
@@ -394,7 +382,7 @@ def test_2d_mesh_data_and_model():
   block["fc"]["kernel"] = P(None, "model")
   block["out"]["kernel"] = P("model", None)
   data = _models.batches(6, poison_at=(3,))
-  tx = _tx()
+  tx = _models.tx()
   ref_params, _, ref_losses = _models.reference_run(tx, params0, data)
   plan = zero1.make_plan(tx, params0, mesh, param_specs=specs)
   state = train.TrainState.create(params=params0, tx=tx, plan=plan)
@@ -447,7 +435,7 @@ def test_fp8_metadata_advances_in_the_state_and_holds_on_a_skipped_step():
   runs = {}
   for name, plan in (
     ("one", None),
-    ("zero1", zero1.make_plan(tx, params, _mesh())),
+    ("zero1", zero1.make_plan(tx, params, _models.mesh())),
   ):
     state = train.TrainState.create(params=params, tx=tx, fp8=meta, plan=plan)
     step = train.make_train_step(loss_fn, tx, plan=plan, accum_steps=2)
@@ -513,7 +501,7 @@ def test_float16_reduction_does_not_overflow_where_one_device_would_not(
   )
   params = {"w": jnp.ones((8,), jnp.float16)}
   batch = {"x": np.full((16, 8), 19664.0, np.float32)}
-  plan = zero1.make_plan(tx, params, _mesh(), zero_stage=zero_stage)
+  plan = zero1.make_plan(tx, params, _models.mesh(), zero_stage=zero_stage)
   state = train.TrainState.create(params=params, tx=tx, plan=plan)
   state, metrics = train.make_train_step(_linear_loss, tx, plan=plan)(
     state, batch
@@ -535,10 +523,10 @@ def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
   with pytest.raises(ValueError, match="accum_steps must be an int >= 1"):
     train.make_train_step(_linear_loss, tx, accum_steps=0)
   with pytest.raises(TypeError, match="plan must be a jmp_train.zero1.Plan"):
-    train.make_train_step(_linear_loss, tx, plan=_mesh())
+    train.make_train_step(_linear_loss, tx, plan=_models.mesh())
   with pytest.raises(TypeError, match="key must be a typed PRNG key"):
     train.TrainState.create(params=params, tx=tx, key=np.uint32(3))
-  plan = zero1.make_plan(tx, params, _mesh())
+  plan = zero1.make_plan(tx, params, _models.mesh())
   step = train.make_train_step(_linear_loss, tx, plan=plan, accum_steps=2)
   state = train.TrainState.create(params=params, tx=tx, plan=plan)
   with pytest.raises(ValueError, match=r"'x' has shape \(12, 8\).* = 16"):
@@ -551,7 +539,7 @@ def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
     step(other, batch)
   # An unplaced state (no ZeRO padding) for a plan that pads.
   odd = {"w": jnp.ones((5,), jnp.bfloat16)}
-  odd_plan = zero1.make_plan(tx, odd, _mesh())
+  odd_plan = zero1.make_plan(tx, odd, _models.mesh())
   unplaced = train.TrainState.create(params=odd, tx=tx)
   odd_step = train.make_train_step(_linear_loss, tx, plan=odd_plan)
   with pytest.raises(ValueError, match=r"master_params/w' is float32\[5\]"):

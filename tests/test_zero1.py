@@ -10,22 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_train
 from jmp_train import memory, train, zero1
-
-
-def _mesh(shape=(8,), names=("data",)):
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-
-
-def _tx():
-  return jmp_train.mixed_precision(
-    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3)),
-    loss_scale=jmp_train.dynamic_loss_scale(2.0**10, growth_interval=4),
-  )
 
 
 @pytest.mark.parametrize(
@@ -54,20 +43,22 @@ def test_leaf_layout_rejects_data_axis_in_spec():
 def test_make_plan_refuses_bad_arguments():
   params = _models.init_params()
   with pytest.raises(ValueError, match="zero_stage must be 0 or 1, got 2"):
-    zero1.make_plan(_tx(), params, _mesh(), zero_stage=2)
+    zero1.make_plan(_models.tx(), params, _models.mesh(), zero_stage=2)
   with pytest.raises(ValueError, match="data_axis 'batch' is not an axis"):
-    zero1.make_plan(_tx(), params, _mesh(), data_axis="batch")
+    zero1.make_plan(_models.tx(), params, _models.mesh(), data_axis="batch")
   with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
-    zero1.make_plan(_tx(), params, jax.devices())
+    zero1.make_plan(_models.tx(), params, jax.devices())
   with pytest.raises(ValueError, match="param_specs must have the params'"):
-    zero1.make_plan(_tx(), params, _mesh(), param_specs={"w": P()})
+    zero1.make_plan(
+      _models.tx(), params, _models.mesh(), param_specs={"w": P()}
+    )
 
 
 @pytest.fixture(scope="module")
 def bf16_plan():
-  tx = _tx()
+  tx = _models.tx()
   params = _models.init_params(jnp.bfloat16)
-  plan = zero1.make_plan(tx, params, _mesh())
+  plan = zero1.make_plan(tx, params, _models.mesh())
   return (
     tx,
     params,
@@ -119,7 +110,7 @@ def test_place_and_to_logical_round_trip(bf16_plan):
 
 def test_zero1_shardings_public_function(bf16_plan):
   tx, params, plan, _ = bf16_plan
-  shardings = zero1.zero1_shardings(tx, params, _mesh())
+  shardings = zero1.zero1_shardings(tx, params, _models.mesh())
   specs = [s.spec for s in jax.tree.leaves(shardings)]
   assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
   assert sum("data" in tuple(s) for s in specs) == 3 * len(
@@ -144,7 +135,7 @@ def test_per_device_bytes_follow_the_zero_formula():
     return gpt_model.cross_entropy(logits, batch[:, 1:])
 
   for n in (1, 2, 8):
-    plan = zero1.make_plan(tx, params, _mesh((n,)))
+    plan = zero1.make_plan(tx, params, _models.mesh((n,)))
     table = memory.memory_table(plan, state)
     assert table["params"] == 2 * n_params
     assert table["gradients"] == 2 * n_params
@@ -165,9 +156,9 @@ def test_per_device_bytes_follow_the_zero_formula():
 
 
 def _lowered(stage, dtype):
-  tx = _tx()
+  tx = _models.tx()
   params = _models.init_params(dtype)
-  plan = zero1.make_plan(tx, params, _mesh(), zero_stage=stage)
+  plan = zero1.make_plan(tx, params, _models.mesh(), zero_stage=stage)
   state = jax.eval_shape(
     lambda p: train.TrainState.create(params=p, tx=tx), params
   )
