@@ -20,6 +20,7 @@ from jmp_train import (
   nnx,
   presets,
   schedule,
+  state_format,
   train,
   zero1,
 )
@@ -38,7 +39,9 @@ from jmp_train._src.loss_scale import (
   select_tree,
 )
 from jmp_train._src.param_update import (
+  KahanSummation,
   MasterWeights,
+  ParamRemainders,
   RoundToNearest,
   StochasticRounding,
 )
@@ -74,7 +77,9 @@ from jmp_train._src.transform import (
 __version__ = "0.1.0"
 
 __all__ = [
+  "KahanSummation",
   "MasterWeights",
+  "ParamRemainders",
   "RoundToNearest",
   "StochasticRounding",
   "DynamicLossScale",
@@ -114,6 +119,7 @@ __all__ = [
   "presets",
   "schedule",
   "select_tree",
+  "state_format",
   "train",
   "train_metrics",
   "zero1",

@@ -1,11 +1,13 @@
-"""Gradient accumulation in float32.
+"""Gradient accumulation in a float32 (or bfloat16) buffer.
 
 `accumulate_gradients` splits a batch into `accum_steps` micro-batches, takes
 the gradient of the scaled loss on each and sums them in a float32 buffer, as
 torch.amp does with `GradScaler` and accumulation: the gradients stay scaled
 until the one optimizer update, so the finite check and the loss-scale
 adjustment happen once per accumulated step, and one non-finite micro-batch
-makes the sum non-finite and the whole step skip.
+makes the sum non-finite and the whole step skip. `accum_dtype=jnp.bfloat16`
+halves the buffer: each add is computed in float32 and rounded once to
+bfloat16 (`buffer_dtype` says which leaves it holds).
 """
 
 from __future__ import annotations
@@ -19,6 +21,43 @@ import numpy as np
 import optax
 
 from jmp_train._src import leaves
+
+
+_GRADIENT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+
+
+def check_gradient_dtype(
+  value: Any, name: str, *, allow_none: bool = False
+) -> np.dtype | None:
+  """`value` as a NumPy dtype if it names float32 or bfloat16 (or is None
+  where `allow_none`), else a ValueError naming the argument."""
+  if value is None and allow_none:
+    return None
+  try:
+    dtype = None if value is None else np.dtype(jnp.dtype(value))
+  except TypeError:
+    dtype = None
+  if dtype not in _GRADIENT_DTYPES:
+    accepted = "jnp.float32 or jnp.bfloat16" + (" or None" * allow_none)
+    raise ValueError(f"{name} must be {accepted}, got {value!r}.")
+  return dtype
+
+
+def buffer_dtype(dtype: Any, target: Any) -> np.dtype:
+  """The dtype a gradient of `dtype` is held in when `target` (float32 or
+  bfloat16) is asked for: float16, bfloat16 and float32 gradients take
+  `target`, except that float32 never narrows a gradient (float64 and
+  complex ones keep their own dtype, as `leaves.full_dtype` says) and
+  bfloat16 applies to real gradients of at most 32 bits only (float64 and
+  complex gradients keep their own dtype: there is no bfloat16 complex, and
+  a float64 model asked for float64 on purpose).
+  """
+  dtype = np.dtype(dtype)
+  if np.dtype(target) == np.dtype(jnp.float32):
+    return leaves.full_dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 4:
+    return np.dtype(target)
+  return dtype
 
 
 def check_loss_scale(loss_scale: Any) -> jax.Array:
@@ -84,6 +123,7 @@ def accumulate_gradients(
   accum_steps: int = 1,
   *,
   loss_scale: jax.typing.ArrayLike = 1.0,
+  accum_dtype: Any = jnp.float32,
 ) -> tuple[jax.Array, optax.Params]:
   """Mean loss and mean gradients of `loss_scale * loss_fn` over micro-batches.
 
@@ -94,6 +134,18 @@ def accumulate_gradients(
   the whole batch within float32 rounding. With `accum_steps=1` there is no
   buffer and the gradients keep the params' dtypes.
 
+  With `accum_dtype=jnp.bfloat16` the buffer is bfloat16 (float64 and
+  complex gradients keep their own dtype, see `buffer_dtype`):
+
+      buffer = bfloat16(grads_0)
+      for i in 1 .. accum_steps - 1:
+        buffer = bfloat16(float32(buffer) + float32(grads_i))
+      grads = bfloat16(float32(buffer) / accum_steps)
+
+  Each add rounds to bfloat16's 8 significant bits: half the memory, and a
+  sum that loses low bits once it is much larger than one micro-batch's
+  gradient.
+
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar loss`, the *unscaled* loss.
     params: the params to differentiate; non-float leaves get zero gradients.
@@ -101,10 +153,11 @@ def accumulate_gradients(
     accum_steps: the number of micro-batches.
     loss_scale: the loss scale to multiply each micro-batch loss by (for
       `mixed_precision`, `jmp_train.current_loss_scale(opt_state)`).
+    accum_dtype: the buffer's dtype, `jnp.float32` or `jnp.bfloat16`.
 
   Returns:
     `(loss, grads)`: the mean unscaled loss (float32) and the mean gradients
-    of the scaled loss (float32 when accumulating).
+    of the scaled loss (in the buffer's dtype when accumulating).
 
   Example:
     >>> import jax.numpy as jnp
@@ -117,6 +170,7 @@ def accumulate_gradients(
   """
   accum_steps = leaves.check_int(accum_steps, "accum_steps", 1)
   loss_scale = check_loss_scale(loss_scale)
+  accum_dtype = check_gradient_dtype(accum_dtype, "accum_dtype")
 
   def scaled_loss(p, b):
     loss = float_loss(loss_fn(p, b))
@@ -131,59 +185,85 @@ def accumulate_gradients(
 
   def fn(carry, micro_batch, index):
     del index
-    return carry, (loss_and_grads(micro_batch), ())
+    loss, grads = loss_and_grads(micro_batch)
+    return carry, (loss, grads, ())
 
-  _, (loss_sum, grads), _ = over_micro_batches(fn, (), batch, accum_steps)
+  _, loss_sum, grads, _ = over_micro_batches(
+    fn, (), batch, accum_steps, accum_dtype=accum_dtype
+  )
   if accum_steps == 1:
     return loss_sum, grads
   inv = 1.0 / accum_steps
-  grads = jax.tree.map(
-    lambda g: g * jnp.asarray(inv, g.dtype) if leaves.is_float(g) else g,
-    grads,
-  )
-  return loss_sum * inv, grads
+
+  def mean(g):
+    if not leaves.is_float(g):
+      return g
+    return (leaves.widen(g) * inv).astype(g.dtype)
+
+  return loss_sum * inv, jax.tree.map(mean, grads)
 
 
 def over_micro_batches(
-  fn: Callable[[Any, Any, Any], tuple[Any, tuple[Any, Any]]],
+  fn: Callable[[Any, Any, Any], tuple[Any, tuple[Any, Any, Any]]],
   carry: Any,
   batch: Any,
   accum_steps: int,
-) -> tuple[Any, Any, Any]:
+  *,
+  accum_dtype: Any = jnp.float32,
+) -> tuple[Any, Any, Any, Any]:
   """Runs `fn` on each micro-batch in order and combines what it returns.
 
-  `fn(carry, micro_batch, index) -> (carry, (summed, maxed))`: `carry` is
-  threaded from one micro-batch to the next (a model's BatchNorm
-  statistics), `summed` is added up (float leaves in a float32 buffer at
-  least: losses, gradients, metrics) and `maxed` combined by elementwise max
-  (FP8 amaxes). With one micro-batch `fn` runs once on the whole batch and
-  its outputs come back as they are.
+  `fn(carry, micro_batch, index) -> (carry, (summed, grads, maxed))`:
+  `carry` is threaded from one micro-batch to the next (a model's BatchNorm
+  statistics); `summed` is added up, float leaves in a float32 buffer at
+  least (losses, metrics); `grads` is added up, float leaves in an
+  `accum_dtype` buffer (`buffer_dtype`: each add computed in float32 at
+  least and rounded once to the buffer's dtype); `maxed` is combined by
+  elementwise max (FP8 amaxes). With one micro-batch `fn` runs once on the
+  whole batch and its outputs come back as they are.
 
   Returns:
-    `(carry, summed, maxed)` after the last micro-batch.
+    `(carry, summed, grads, maxed)` after the last micro-batch.
   """
   if accum_steps == 1:
-    carry, (summed, maxed) = fn(carry, batch, jnp.zeros([], jnp.int32))
-    return carry, summed, maxed
+    carry, (summed, grads, maxed) = fn(carry, batch, jnp.zeros([], jnp.int32))
+    return carry, summed, grads, maxed
 
-  def widen(x):
-    return leaves.widen(x) if leaves.is_float(x) else x
+  def to(target):
+    def cast(x):
+      if not leaves.is_float(x):
+        return x
+      return x.astype(buffer_dtype(x.dtype, target))
+
+    return cast
+
+  def add(total, x):
+    if not leaves.is_float(x):
+      return total + x
+    # In float32 at least, rounded once to the buffer's dtype (a no-op cast
+    # for a float32 buffer).
+    return (leaves.widen(total) + leaves.widen(x)).astype(total.dtype)
 
   micro = micro_batches(batch, accum_steps)
   # The first micro-batch starts the buffers (rather than zeros), so the
   # carry has the outputs' own type (sharding, replication) in shard_map.
   first = jax.tree.map(lambda x: x[0], micro)
-  carry, (summed, maxed) = fn(carry, first, jnp.zeros([], jnp.int32))
+  carry, (summed, grads, maxed) = fn(carry, first, jnp.zeros([], jnp.int32))
 
   def body(state, xs):
-    carry, total, top = state
+    carry, totals, top = state
     index, micro_batch = xs
-    carry, (summed, maxed) = fn(carry, micro_batch, index)
-    total = jax.tree.map(lambda a, x: a + widen(x), total, summed)
-    return (carry, total, jax.tree.map(jnp.maximum, top, maxed)), None
+    carry, (summed, grads, maxed) = fn(carry, micro_batch, index)
+    totals = jax.tree.map(add, totals, (summed, grads))
+    return (carry, totals, jax.tree.map(jnp.maximum, top, maxed)), None
 
   rest = jax.tree.map(lambda x: x[1:], micro)
   index = jnp.arange(1, accum_steps, dtype=jnp.int32)
-  init = (carry, jax.tree.map(widen, summed), maxed)
-  (carry, summed, maxed), _ = jax.lax.scan(body, init, (index, rest))
-  return carry, summed, maxed
+  totals = (
+    jax.tree.map(to(jnp.float32), summed),
+    jax.tree.map(to(accum_dtype), grads),
+  )
+  (carry, (summed, grads), maxed), _ = jax.lax.scan(
+    body, (carry, totals, maxed), (index, rest)
+  )
+  return carry, summed, grads, maxed

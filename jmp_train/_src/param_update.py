@@ -1,20 +1,30 @@
-"""How low-precision params are updated: float32 master weights or rounding.
+"""How low-precision params are updated: float32 masters, their remainders,
+Kahan summation or rounding.
 
-`mixed_precision(inner, param_update=...)` takes one of three values. They
+`mixed_precision(inner, param_update=...)` takes one of five values. They
 differ only for float params stored below float32 (bfloat16, float16): float32
-and wider params are their own masters under all three.
+and wider params are their own masters under all of them.
 
-| `param_update`              | kept per bf16/fp16 param | the param after a step       |
-|-----------------------------|--------------------------|------------------------------|
-| `MasterWeights()` (default) | a float32 master (4 B)   | its new master cast down     |
-| `RoundToNearest()`          | nothing                  | `param + update`, to nearest |
-| `StochasticRounding(seed)`  | nothing                  | `param + update`, stochastic |
+| `param_update`              | kept per bf16/fp16 param      | the param after a step       |
+|-----------------------------|-------------------------------|------------------------------|
+| `MasterWeights()` (default) | a float32 master (4 B)        | its new master cast down     |
+| `ParamRemainders()`         | the master's low 16 bits (2 B)| its new master cast down     |
+| `KahanSummation()`          | a compensation, param dtype   | `param + update + carry`     |
+| `RoundToNearest()`          | nothing                       | `param + update`, to nearest |
+| `StochasticRounding(seed)`  | nothing                       | `param + update`, stochastic |
 
 `MasterWeights` is Megatron-LM's float32 main (master) params, NxD's
-`use_master_weights=True` and apex O2; `RoundToNearest` is NxD's
-`use_master_weights=False`, apex O3 and plain optax on bfloat16 params, and
-loses every update below half an ulp of its param; `StochasticRounding`
+`use_master_weights=True` and apex O2; `ParamRemainders` is Megatron-Core's
+`store_param_remainders` (bfloat16 params only); `KahanSummation` is
+AnyPrecisionAdamW's Kahan-compensated bfloat16 update; `RoundToNearest` is
+NxD's `use_master_weights=False`, apex O3 and plain optax on bfloat16 params,
+and loses every update below half an ulp of its param; `StochasticRounding`
 (torchao's `bf16_stochastic_round`) keeps such updates on average.
+
+What the state holds decides how a leaf is updated (`apply`): a float32
+master, an int16 remainder, a compensation in the param's dtype, or nothing.
+So `adjust_precision` can switch between them under a running
+transformation.
 
 Each is a small frozen dataclass, so a setting that only one of them has (the
 seed) lives in it, and no combination can be invalid.
@@ -65,6 +75,62 @@ class RoundToNearest:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParamRemainders:
+  """Keep the low 16 bits of each float32 master beside its bfloat16 param.
+
+  Megatron-Core's `store_param_remainders`: the bfloat16 param is the master
+  rounded to nearest even, and the int16 remainder `bits(master) -
+  bits(param) << 16` rebuilds the master from the two, at 2 bytes instead of
+  4 per param. The run equals the `MasterWeights()` run bit for bit, with
+  one exception no 16 bits can avoid: a master exactly halfway above a
+  bfloat16 value with an even last bit (`bits(master) = bits(param) << 16 +
+  0x8000`, about one value in 2**17) rounds to the same param as the one
+  halfway below it, so 2**16 + 1 masters share one param; that one is kept
+  one float32 ulp lower (`+ 0x7FFF`), which rounds to the same param. The
+  masters then differ by 2**-24 of their value, the size of the float32
+  update's own rounding error.
+
+  For bfloat16 params only: `init` refuses a float16 param (float16 is not
+  the top half of a float32).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_train
+    >>> tx = jmp_train.mixed_precision(
+    ...     optax.sgd(1e-4), param_update=jmp_train.ParamRemainders())
+    >>> params = grads = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> new["w"], state.master_params["w"]  # 1 - 1e-4: the param stays 1
+    (Array([1, 1], dtype=bfloat16), Array([-1678, -1678], dtype=int16))
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class KahanSummation:
+  """No float32 master: a Kahan compensation buffer in the param's dtype.
+
+  AnyPrecisionAdamW's update: the compensation `c` carries what rounding
+  the param lost, `c += update; new = round(param + c); c -= new - param`,
+  here computed in float32 and stored in the param's dtype (2 bytes per
+  bfloat16 param). Updates below half an ulp accumulate in `c` until they
+  move the param; the inner optimizer sees `param + c`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_train
+    >>> tx = jmp_train.mixed_precision(
+    ...     optax.sgd(1.0), param_update=jmp_train.KahanSummation())
+    >>> params = {"w": jnp.ones(1, jnp.bfloat16)}
+    >>> grads = {"w": jnp.full(1, 2.0**-12, jnp.bfloat16)}  # 1/16 ulp
+    >>> state = tx.init(params)
+    >>> for _ in range(16):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params["w"]  # 16 updates of 1/16 ulp moved it one ulp down
+    Array([0.996094], dtype=bfloat16)
+  """
+
+
+@dataclasses.dataclass(frozen=True)
 class StochasticRounding:
   """No master weights: low-precision params take `param + update` rounded
   stochastically, so updates below half an ulp survive on average.
@@ -99,12 +165,24 @@ class StochasticRounding:
     object.__setattr__(self, "seed", seed)
 
 
-ParamUpdate = MasterWeights | RoundToNearest | StochasticRounding
+ParamUpdate = (
+  MasterWeights
+  | ParamRemainders
+  | KahanSummation
+  | RoundToNearest
+  | StochasticRounding
+)
 
-_KINDS = (MasterWeights, RoundToNearest, StochasticRounding)
+_KINDS = (
+  MasterWeights,
+  ParamRemainders,
+  KahanSummation,
+  RoundToNearest,
+  StochasticRounding,
+)
 _ACCEPTED = (
-  "jmp_train.MasterWeights(), jmp_train.RoundToNearest() or "
-  "jmp_train.StochasticRounding(seed=...)"
+  "jmp_train.MasterWeights(), ParamRemainders(), KahanSummation(), "
+  "RoundToNearest() or StochasticRounding(seed=...)"
 )
 
 
@@ -131,20 +209,82 @@ def needs_master(x: Any) -> bool:
 
 
 def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
-  """The float32 masters `rule` keeps for `params`.
+  """What `rule` keeps beside `params`, for the float32 `values`.
 
-  A float32 copy of each param that needs one (of its entry in `values`,
-  default the param itself) under `MasterWeights`; `optax.MaskedNode()`
-  everywhere else.
+  Per param stored below float32 (`needs_master`): a float32 copy of its
+  entry in `values` (default the param itself) under `MasterWeights`; the
+  int16 remainder of that value under `ParamRemainders` (the param must be
+  the value rounded to nearest); the compensation `value - param` in the
+  param's dtype under `KahanSummation`. `optax.MaskedNode()` everywhere else.
+
+  Raises:
+    TypeError: for `ParamRemainders` and a float16 param.
   """
   values = params if values is None else values
 
-  def master(p, v):
-    if isinstance(rule, MasterWeights) and needs_master(p):
-      return jnp.asarray(v, jnp.float32)
+  def master(path, p, v):
+    if not needs_master(p):
+      return leaves.MASKED
+    if isinstance(rule, MasterWeights):
+      return jnp.array(v, jnp.float32)  # a copy, never an alias of `p`
+    if isinstance(rule, ParamRemainders):
+      if p.dtype != jnp.bfloat16:
+        raise TypeError(
+          f"param_update=ParamRemainders() keeps the low 16 bits of a "
+          f"float32 master beside a bfloat16 param; param "
+          f"{leaves.keystr(path)!r} is {np.dtype(p.dtype).name}. Use "
+          "MasterWeights() for float16 params."
+        )
+      return remainder(p, jnp.asarray(v, jnp.float32))
+    if isinstance(rule, KahanSummation):
+      wide = jnp.asarray(v, jnp.float32) - p.astype(jnp.float32)
+      return wide.astype(p.dtype)
     return leaves.MASKED
 
-  return jax.tree.map(master, params, values)
+  return jax.tree_util.tree_map_with_path(master, params, values)
+
+
+def remainder(param: jax.Array, master: jax.Array) -> jax.Array:
+  """The int16 `bits(master) - bits(param) << 16` (see `ParamRemainders`).
+
+  `param` is `master` rounded to nearest even; the one difference that does
+  not fit 16 bits, +0x8000, is stored as +0x7FFF.
+  """
+  hi = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.int32)
+  bits = jax.lax.bitcast_convert_type(master, jnp.int32)
+  diff = bits - (hi << 16)
+  return jnp.clip(diff, -0x8000, 0x7FFF).astype(jnp.int16)
+
+
+def from_remainder(param: jax.Array, rem: jax.Array) -> jax.Array:
+  """The float32 master that `param` and its int16 remainder stand for."""
+  hi = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.int32)
+  bits = (hi << 16) + rem.astype(jnp.int32)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def full_value(param: Any, kept: Any) -> Any:
+  """A float param's float32 value from what the state keeps beside it:
+  the master, the master rebuilt from its remainder, `param + compensation`,
+  or the param widened."""
+  if leaves.is_masked(kept):
+    return leaves.widen(jnp.asarray(param))
+  if kept.dtype == jnp.int16:
+    return from_remainder(param, kept)
+  if kept.dtype == param.dtype:
+    return param.astype(jnp.float32) + kept.astype(jnp.float32)
+  return kept
+
+
+def rebuilt(kept: Any, param: Any) -> Any:
+  """What the state keeps beside `param`, rebuilt from the param alone
+  (a checkpoint saved without masters): the upcast param, a zero remainder
+  or a zero compensation, shaped and typed like `kept`."""
+  if leaves.is_masked(kept):
+    return kept
+  if np.dtype(kept.dtype) == np.dtype(jnp.float32):
+    return jnp.asarray(param).astype(jnp.float32)
+  return jnp.zeros(kept.shape, kept.dtype)
 
 
 def leaf_keys(rule: ParamUpdate, params: Any, steps: jax.Array) -> Any:
@@ -169,25 +309,36 @@ class LeafUpdate(NamedTuple):
 
 
 def apply(
-  rule: ParamUpdate, param: Any, master: Any, update: Any, key: Any
+  rule: ParamUpdate, param: Any, kept: Any, update: Any, key: Any
 ) -> LeafUpdate:
-  """The update to emit for one param leaf, and its master after the step.
+  """The update to emit for one param leaf, and what the state keeps after.
 
-  `update` is the inner optimizer's (float32 or wider). Where the state
-  holds a master the param follows it (`exact_delta`), whatever `rule` says:
-  the state decides, so `adjust_precision` can add or drop masters under a
-  running transformation. Integer and boolean params get zeros.
+  `update` is the inner optimizer's (float32 or wider). What the state
+  keeps beside the param decides, whatever `rule` says, so
+  `adjust_precision` can add or drop masters under a running
+  transformation: a float32 master or an int16 remainder makes the param
+  follow its new master (`exact_delta`); a compensation in the param's
+  dtype makes a Kahan step; nothing makes the param take `param + update`,
+  rounded as `rule` says. Integer and boolean params get zeros.
   """
   if not leaves.is_float(param):
-    return LeafUpdate(jnp.zeros_like(param), master)
-  if not leaves.is_masked(master):
-    new_master = (master + update).astype(jnp.float32)
-    return LeafUpdate(*exact_delta(param, new_master))
-  if isinstance(rule, StochasticRounding) and needs_master(param):
+    return LeafUpdate(jnp.zeros_like(param), kept)
+  if leaves.is_masked(kept):
+    if isinstance(rule, StochasticRounding) and needs_master(param):
+      wide = param.astype(jnp.float32)
+      new = rounding.cast_stochastic(wide + update, param.dtype, key)
+      return LeafUpdate(new.astype(jnp.float32) - wide, kept)
+    return LeafUpdate(update.astype(leaves.full_dtype(param.dtype)), kept)
+  if kept.dtype == jnp.int16:
+    delta, master = exact_delta(param, from_remainder(param, kept) + update)
+    return LeafUpdate(delta, remainder(master.astype(param.dtype), master))
+  if kept.dtype == param.dtype:
     wide = param.astype(jnp.float32)
-    new = rounding.cast_stochastic(wide + update, param.dtype, key)
-    return LeafUpdate(new.astype(jnp.float32) - wide, master)
-  return LeafUpdate(update.astype(leaves.full_dtype(param.dtype)), master)
+    carry = kept.astype(jnp.float32) + update
+    delta = (wide + carry).astype(param.dtype).astype(jnp.float32) - wide
+    return LeafUpdate(delta, (carry - delta).astype(kept.dtype))
+  new_master = (kept + update).astype(jnp.float32)
+  return LeafUpdate(*exact_delta(param, new_master))
 
 
 def exact_delta(param: jax.Array, master: jax.Array) -> tuple:

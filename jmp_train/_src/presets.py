@@ -30,6 +30,7 @@ README).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import optax
 
@@ -37,6 +38,7 @@ from jmp_train._src import fp8 as fp8_lib
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src import policy as policy_lib
+from jmp_train._src import state_format as sf
 from jmp_train._src import transform
 
 
@@ -57,6 +59,8 @@ class Preset:
     param_update: how params stored below float32 are updated
       (`MasterWeights()`, `RoundToNearest()` or `StochasticRounding(seed)`).
     fp8: the FP8 recipe for the model's matmuls, or None.
+    state_formats: how the optimizer state is stored (`mixed_precision`'s
+      `state_formats`: None, one format, or a dict by field name).
 
   Raises:
     TypeError: for a field of the wrong kind, naming it.
@@ -80,6 +84,7 @@ class Preset:
   loss_scale: ls_lib.LossScale
   param_update: param_update_lib.ParamUpdate = param_update_lib.MasterWeights()
   fp8: fp8_lib.Fp8Recipe | None = None
+  state_formats: Any = None
 
   def __post_init__(self):
     # A plain value (not a pytree): this runs when a preset is built or
@@ -99,18 +104,26 @@ class Preset:
         f"Preset fp8 must be a jmp_train.fp8.Fp8Recipe or None, got "
         f"{self.fp8!r}."
       )
+    formats = sf.check_formats(self.state_formats)
+    object.__setattr__(self, "state_formats", formats)
 
   # Equal presets have equal fields, so hashing all but the loss scale (which
   # may hold arrays) keeps presets usable as dict keys and static arguments.
   def __hash__(self) -> int:
-    return hash((self.name, self.policy, self.param_update, self.fp8))
+    formats = self.state_formats
+    if isinstance(formats, dict):
+      formats = tuple(sorted(formats.items()))
+    return hash((self.name, self.policy, self.param_update, self.fp8, formats))
 
   def mixed_precision(
     self, inner: optax.GradientTransformation
   ) -> optax.GradientTransformationExtraArgs:
     """`inner` wrapped by `mixed_precision` with this preset's settings."""
     return transform.mixed_precision(
-      inner, loss_scale=self.loss_scale, param_update=self.param_update
+      inner,
+      loss_scale=self.loss_scale,
+      param_update=self.param_update,
+      state_formats=self.state_formats,
     )
 
 
@@ -118,6 +131,13 @@ def _presets() -> dict[str, Preset]:
   get = policy_lib.get_policy
   none, dynamic = ls_lib.NoOpLossScale(), ls_lib.dynamic_loss_scale()
   fp8 = fp8_lib.Fp8Recipe()
+  bf16 = get("p=bf16,c=bf16,o=f32")
+  remainders = param_update_lib.ParamRemainders()
+  sr = param_update_lib.StochasticRounding(seed=0)
+  kahan = param_update_lib.KahanSummation()
+  bf16_moments = sf.BFloat16()
+  fp8_mu = {"mu": sf.FP8(), "nu": sf.BFloat16()}
+  fp8_both = {"mu": sf.FP8(), "nu": sf.FP8(expand_range=True)}
   return {
     p.name: p
     for p in (
@@ -128,6 +148,13 @@ def _presets() -> dict[str, Preset]:
       Preset("fp16-true", get("p=f16,c=f16,o=f32"), dynamic),
       Preset("bf16-fp8-mixed", get("p=f32,c=bf16,o=f32"), none, fp8=fp8),
       Preset("fp16-fp8-mixed", get("p=f32,c=f16,o=f32"), dynamic, fp8=fp8),
+      Preset("bf16-remainders", bf16, none, remainders),
+      Preset("bf16-lean", bf16, none, remainders, state_formats=bf16_moments),
+      Preset("bf16-kahan-lean", bf16, none, kahan, state_formats=bf16_moments),
+      Preset("bf16-sr-lean", bf16, none, sr, state_formats=bf16_moments),
+      Preset("bf16-fp8-adam", bf16, none, remainders, state_formats=fp8_mu),
+      Preset("bf16-sr-fp8-adam", bf16, none, sr, state_formats=fp8_mu),
+      Preset("bf16-sr-coat", bf16, none, sr, state_formats=fp8_both),
     )
   }
 

@@ -37,6 +37,7 @@ import optax
 from jmp_train._src import leaves
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
+from jmp_train._src import state_format
 from jmp_train._src.optimizer_state import MixedPrecisionState, find_state
 
 # The default rule: a frozen value, safe to share between calls.
@@ -142,6 +143,7 @@ def mixed_precision(
   *,
   loss_scale: ls_lib.LossScale | float | None = None,
   param_update: param_update_lib.ParamUpdate = _MASTER_WEIGHTS,
+  state_formats: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer for mixed-precision training.
 
@@ -169,7 +171,17 @@ def mixed_precision(
       `MasterWeights()` (the default: float32 master copies, Megatron's main
       params, NxD's `use_master_weights`), `RoundToNearest()` (no masters)
       or `StochasticRounding(seed)` (no masters, rounded stochastically).
-      float32 params are their own masters under all three.
+      `ParamRemainders()` (bfloat16 params: the master's low 16 bits,
+      Megatron's `store_param_remainders`) and `KahanSummation()` (a
+      compensation buffer in the param's dtype) keep 2 bytes instead of 4.
+      float32 params are their own masters under all of them.
+    state_formats: how the inner optimizer's state fields that hold one
+      value per param (Adam's `mu` and `nu`, momentum's `trace`) are
+      stored: None (as the optimizer makes them, float32), one
+      `jmp_train.state_format` format for all of them, or a dict from field
+      name to format, e.g. `{"mu": FP8(), "nu": BFloat16()}`. `inner`
+      computes in float32: stored values are expanded before its update and
+      compressed after it; a skipped step keeps the stored bits.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
@@ -207,15 +219,31 @@ def mixed_precision(
     )
   scaler0 = as_loss_scale(loss_scale)
   rule = param_update_lib.check(param_update)
+  formats = state_format.check_formats(state_formats)
   inner = optax.with_extra_args_support(inner)
+
+  def stored_state(native, view, steps):
+    if formats is None:
+      return native
+    tree = state_format.leaf_formats(formats, native, view)
+    return state_format.compress_state(tree, native, steps)
+
+  def native_state(stored, view):
+    if formats is None:
+      return stored
+    native = jax.eval_shape(inner.init, view)
+    tree = state_format.leaf_formats(formats, native, view)
+    return state_format.expand_state(tree, stored, native)
 
   def init(params: optax.Params) -> MixedPrecisionState:
     params = _checked_leaves(params, "params")
     masters = param_update_lib.init_masters(rule, params)
+    view = _full_view(params, masters)
+    steps = jnp.zeros([], jnp.int32)
     return MixedPrecisionState(
       loss_scaler=scaler0,
       master_params=masters,
-      inner_state=inner.init(_full_view(params, masters)),
+      inner_state=stored_state(inner.init(view), view, steps),
       steps=jnp.zeros([], jnp.int32),
       skipped_steps=jnp.zeros([], jnp.int32),
       last_step_finite=jnp.ones([], jnp.bool_),
@@ -251,9 +279,11 @@ def mixed_precision(
 
     def apply_inner(operand):
       grads_full, inner_state, masters, params = operand
+      view = _full_view(params, masters)
       inner_updates, inner_state = inner.update(
-        grads_full, inner_state, _full_view(params, masters), **extra_args
+        grads_full, native_state(inner_state, view), view, **extra_args
       )
+      inner_state = stored_state(inner_state, view, state.steps + 1)
       # An (update, master) pair per leaf, then the two trees.
       pairs = jax.tree.map(
         functools.partial(param_update_lib.apply, rule),
@@ -338,14 +368,13 @@ def _skip_updates(params: optax.Params) -> optax.Params:
 
 
 def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
-  """The params as the inner optimizer sees them: float32 or wider, floats only."""
+  """The params as the inner optimizer sees them: float32 or wider, floats
+  only (a master, rebuilt from its remainder, or param + compensation)."""
 
   def view(p, m):
-    if not leaves.is_masked(m):
-      return m
     if not leaves.is_float(p):
       return leaves.MASKED
-    return leaves.widen(jnp.asarray(p))
+    return param_update_lib.full_value(p, m)
 
   return jax.tree.map(view, params, masters)
 

@@ -1,0 +1,464 @@
+"""Storage formats for optimizer state: fewer bytes per moment.
+
+`mixed_precision(inner, state_formats=...)` stores the state fields of
+`inner` that mirror the params (Adam's `mu` and `nu`, momentum's `trace`,
+...) in one of four formats. The inner optimizer always computes in float32:
+the stored values are expanded before `inner.update` and compressed after it,
+and a skipped step leaves the stored bits as they were.
+
+| format                      | bytes per value | what is kept                      |
+|-----------------------------|-----------------|-----------------------------------|
+| `Float32()`                 | 4               | the value                         |
+| `BFloat16()`                | 2               | the value rounded to bfloat16     |
+| `Float16()`                 | 2 (+4 per leaf) | value / scale, one scale per leaf |
+| `FP8()`                     | 1 (+4 per group)| value / scale, one scale per group|
+| `FP8(expand_range=True)`    | 1 (+8 per group)| and one exponent per group        |
+
+`Float16` is Megatron-Core's precision-aware optimizer's float16 state: a
+per-tensor `scale = absmax / (65504 / 2)`. `FP8` follows Megatron's FP8
+state (`scale = absmax / 448` for E4M3, 57344 for E5M2) with COAT's groups: one
+scale per `group_size` consecutive values along a leaf's last axis (the
+last group of a row may be shorter), and, with `expand_range=True`, COAT's
+dynamic range expansion `x -> sign(x) |x / absmax|^k` with `k` chosen per
+group so that the group's smallest non-zero magnitude lands on the format's
+smallest normal value. `BFloat16` is a plain cast (round to nearest even, or
+stochastic with `rounding="stochastic"`).
+
+Values beyond float32's range (an `inf` second moment after huge finite
+gradients) are stored as the largest finite float32 before scaling, so a
+scale is always finite; NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_train._src import leaves, rounding
+
+_FP8_DTYPES = {
+  "e4m3": np.dtype(jnp.float8_e4m3fn),
+  "e5m2": np.dtype(jnp.float8_e5m2),
+}
+_FLOAT16_RANGE = float(np.finfo(np.float16).max) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32:
+  """Store the state field in float32 (what optax keeps): 4 bytes a value.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> compress(Float32(), jnp.ones(2, jnp.bfloat16)).dtype
+    dtype('float32')
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class BFloat16:
+  """Store the state field in bfloat16: 2 bytes a value, a plain cast.
+
+  DeepSeek-V3 keeps both Adam moments in bfloat16. The cast rounds to
+  nearest even, or stochastically (`rounding="stochastic"`, unbiased, with
+  random bits from `seed`, the step number and the leaf's position, so a
+  resumed run draws the same bits).
+
+  Attributes:
+    rounding: "nearest" or "stochastic".
+    seed: an int >= 0, used by stochastic rounding.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> stored = compress(BFloat16(), jnp.array([1.0, 1.001], jnp.float32))
+    >>> expand(BFloat16(), stored).tolist()
+    [1.0, 1.0]
+  """
+
+  rounding: str = "nearest"
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.rounding not in ("nearest", "stochastic"):
+      raise ValueError(
+        f"BFloat16 rounding must be 'nearest' or 'stochastic', got "
+        f"{self.rounding!r}."
+      )
+    object.__setattr__(self, "seed", leaves.check_int(self.seed, "seed"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Float16:
+  """Store the state field in float16 with one float32 scale per leaf.
+
+  Megatron-Core's float16 optimizer state: `scale = absmax / (65504 / 2)`,
+  stored `value / scale`, so the largest magnitude lands at half of
+  float16's range and small values keep float16's 11 significant bits down
+  to `absmax * 2**-30` or so. 2 bytes a value, 4 per leaf.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> stored = compress(Float16(), jnp.array([1e-3, 3e5], jnp.float32))
+    >>> print(stored.values.dtype, expand(Float16(), stored))
+    float16 [1.0002049e-03 3.0000000e+05]
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8:
+  """Store the state field in FP8 with one float32 scale per group.
+
+  Groups are `group_size` consecutive values along a leaf's last axis (one
+  group for a scalar); `scale = absmax / fp8_max` per group (448 for E4M3,
+  57344 for E5M2) and the stored value is `value / scale` rounded to nearest
+  even. With `expand_range=True`, COAT's dynamic range expansion: each group
+  stores `sign(x) |x / absmax|^k` with `k = log(fp8_min_normal / fp8_max) /
+  log(min_nonzero |x| / absmax)`, so the group's magnitudes fill the
+  format's normal range, and one float32 `k` per group; expanding inverts
+  the power.
+
+  Attributes:
+    dtype: "e4m3" (float8_e4m3fn, the default) or "e5m2".
+    group_size: values per scale, an int >= 1 (128 by default, COAT's).
+    expand_range: apply COAT's per-group range expansion.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([0.5, -1.0, 2.0, 100.0], jnp.float32)
+    >>> stored = compress(FP8(group_size=2), x)
+    >>> print(stored.values.dtype, (stored.scale * 448).round(3))  # absmax
+    float8_e4m3fn [  1. 100.]
+    >>> expand(FP8(group_size=2), stored).round(3).tolist()
+    [0.502, -1.0, 2.009, 100.0]
+  """
+
+  dtype: str = "e4m3"
+  group_size: int = 128
+  expand_range: bool = False
+
+  def __post_init__(self):
+    if self.dtype not in _FP8_DTYPES:
+      raise ValueError(
+        f"FP8 dtype must be 'e4m3' or 'e5m2', got {self.dtype!r}."
+      )
+    leaves.check_int(self.group_size, "FP8 group_size", 1)
+    object.__setattr__(self, "group_size", int(self.group_size))
+    leaves.check_bool(self.expand_range, "FP8 expand_range")
+    object.__setattr__(self, "expand_range", bool(self.expand_range))
+
+
+StateFormat = Float32 | BFloat16 | Float16 | FP8
+
+_KINDS = (Float32, BFloat16, Float16, FP8)
+ACCEPTED = (
+  "jmp_train.state_format.Float32(), BFloat16(), Float16() or FP8(...)"
+)
+
+
+def check(value: Any, name: str) -> StateFormat:
+  """`value` if it is a format, else a TypeError naming `name`."""
+  if isinstance(value, _KINDS):
+    return value
+  hint = ""
+  if isinstance(value, type) and issubclass(value, _KINDS):
+    hint = f" (a class; pass an instance: {value.__name__}())"
+  raise TypeError(f"{name} must be {ACCEPTED}, got {value!r}{hint}.")
+
+
+class Scaled(NamedTuple):
+  """A state leaf stored below float32 with its scales.
+
+  Attributes:
+    values: the stored values (float16 or FP8), the leaf's shape.
+    scale: float32; `()` for `Float16`, the leaf's shape with the last axis
+      cut to its number of groups for `FP8`.
+    power: COAT's per-group exponent `k` (float32, `scale`'s shape), or None.
+  """
+
+  values: jax.Array
+  scale: jax.Array
+  power: jax.Array | None = None
+
+
+def _finite(x: jax.Array) -> jax.Array:
+  """`x` with +-inf as the largest finite float32 (NaN kept)."""
+  big = jnp.finfo(jnp.float32).max
+  return jnp.clip(x.astype(jnp.float32), -big, big)
+
+
+def _groups(x: jax.Array, size: int) -> jax.Array:
+  """`x` (..., L) as (..., ceil(L / size), size), zero-padded.
+
+  Under Explicit mesh axes (the trace `zero1.make_plan` reads shardings
+  from) a split of a sharded last axis keeps the sharding where the number
+  of groups divides over it, and is replicated otherwise.
+  """
+  if x.ndim == 0:
+    x = x.reshape(1)
+  length = x.shape[-1]
+  count = -(-length // size)
+  if count * size != length:
+    widths = [(0, 0)] * (x.ndim - 1) + [(0, count * size - length)]
+    x = jnp.pad(x, widths)
+  shape = x.shape[:-1] + (count, size)
+  return jax.lax.reshape(x, shape, out_sharding=_split_sharding(x, count))
+
+
+def _split_sharding(x: jax.Array, count: int) -> Any:
+  sharding = jax.typeof(x).sharding
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not spec or all(s is None for s in spec):
+    return None
+  spec = spec + (None,) * (x.ndim - len(spec))
+  last = spec[-1]
+  names = last if isinstance(last, tuple) else (last,)
+  size = math.prod(mesh.shape[a] for a in names if a is not None)
+  keep = last if last is not None and count % size == 0 else None
+  return jax.sharding.NamedSharding(
+    mesh, jax.sharding.PartitionSpec(*spec[:-1], keep, None)
+  )
+
+
+def _ungroup(g: jax.Array, shape: tuple) -> jax.Array:
+  """The inverse of `_groups`: (..., count, size) back to `shape`."""
+  flat = g.reshape(g.shape[:-2] + (g.shape[-2] * g.shape[-1],))
+  if not shape:
+    return flat[0]
+  return flat[..., : shape[-1]]
+
+
+def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
+  dtype = _FP8_DTYPES[fmt.dtype]
+  info = jnp.finfo(dtype)
+  fp8_max = float(info.max)
+  g = _groups(_finite(x), fmt.group_size)
+  magnitude = jnp.abs(g)
+  amax = jnp.max(magnitude, axis=-1)
+  safe_amax = jnp.where(amax > 0, amax, 1.0)
+  power = None
+  if fmt.expand_range:
+    # COAT: |x / amax| in (0, 1] raised to k fills [fp8 min normal, 1].
+    z = magnitude / safe_amax[..., None]
+    z_min = jnp.min(jnp.where(z > 0, z, 1.0), axis=-1)
+    target = float(np.log(float(info.smallest_normal) / fp8_max))
+    power = jnp.where(z_min < 1.0, target / jnp.log(z_min), 1.0)
+    y = jnp.sign(g) * jnp.power(z, power[..., None])
+    values = jnp.clip(y * fp8_max, -fp8_max, fp8_max)
+    scale = safe_amax  # expand multiplies |y|^(1/k) by it
+  else:
+    scale = safe_amax / fp8_max
+    values = jnp.clip(g / scale[..., None], -fp8_max, fp8_max)
+  values = _ungroup(values, x.shape).astype(dtype)
+  if x.ndim == 0:
+    scale, power = scale[0], None if power is None else power[0]
+  return Scaled(values, scale, power)
+
+
+def _fp8_expand(fmt: FP8, stored: Scaled) -> jax.Array:
+  fp8_max = float(jnp.finfo(_FP8_DTYPES[fmt.dtype]).max)
+  shape = stored.values.shape
+  scale, power = stored.scale, stored.power
+  if not shape:
+    scale = scale.reshape(1)
+    power = None if power is None else power.reshape(1)
+  g = _groups(stored.values.astype(jnp.float32), fmt.group_size)
+  if power is None:
+    out = g * scale[..., None]
+  else:
+    z = jnp.abs(g) / fp8_max
+    out = jnp.sign(g) * jnp.power(z, 1.0 / power[..., None])
+    out = out * scale[..., None]
+  return _ungroup(out, shape)
+
+
+def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
+  """`x` (a float32 or wider state leaf) stored in `fmt`.
+
+  Args:
+    fmt: the format.
+    x: a real floating array.
+    key: a PRNG key, used by `BFloat16(rounding="stochastic")` only.
+
+  Returns:
+    An array (`Float32`, `BFloat16`) or a `Scaled` (`Float16`, `FP8`).
+  """
+  if isinstance(fmt, Float32):
+    return x.astype(jnp.float32)
+  if isinstance(fmt, BFloat16):
+    if fmt.rounding == "stochastic":
+      if key is None:
+        raise ValueError("BFloat16(rounding='stochastic') needs a key.")
+      return rounding.cast_stochastic(
+        x.astype(jnp.float32), jnp.bfloat16, key
+      )
+    return x.astype(jnp.bfloat16)
+  if isinstance(fmt, Float16):
+    wide = _finite(x)
+    amax = jnp.max(jnp.abs(wide)) if wide.size else jnp.float32(0)
+    scale = jnp.where(amax > 0, amax / _FLOAT16_RANGE, 1.0)
+    return Scaled((wide / scale).astype(jnp.float16), scale.astype(jnp.float32))
+  return _fp8_compress(fmt, x)
+
+
+def expand(fmt: StateFormat, stored: Any, dtype: Any = jnp.float32) -> Any:
+  """The float value of a leaf `compress` stored, in `dtype`."""
+  if isinstance(fmt, (Float32, BFloat16)):
+    return stored.astype(dtype)
+  if isinstance(fmt, Float16):
+    return (stored.values.astype(jnp.float32) * stored.scale).astype(dtype)
+  return _fp8_expand(fmt, stored).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keep:
+  """The format-tree entry of a state leaf kept as the optimizer made it."""
+
+
+KEEP = _Keep()
+
+
+def check_formats(value: Any) -> Any:
+  """`state_formats` validated: None, one format, or a dict of them by name."""
+  if value is None or isinstance(value, _KINDS):
+    return value
+  if isinstance(value, dict):
+    for name, fmt in value.items():
+      if not isinstance(name, str):
+        raise TypeError(
+          f"state_formats keys must be state field names (str, e.g. 'mu'), "
+          f"got {name!r}."
+        )
+      check(fmt, f"state_formats[{name!r}]")
+    return dict(value)
+  raise TypeError(
+    "state_formats must be None, one format for every state field that "
+    "holds one value per param, or a dict from field name to format (e.g. "
+    f"{{'mu': FP8(), 'nu': BFloat16()}}) with formats {ACCEPTED}; got "
+    f"{value!r}."
+  )
+
+
+def _mirrors(value: Any, view: Any) -> bool:
+  """Whether `value` holds one array per param, shaped like it."""
+  if jax.tree.structure(value) != jax.tree.structure(view):
+    return False
+  return all(
+    tuple(np.shape(v)) == tuple(np.shape(p))
+    for v, p in zip(jax.tree.leaves(value), jax.tree.leaves(view), strict=True)
+  )
+
+
+def leaf_formats(formats: Any, state: Any, view: Any) -> Any:
+  """One format (or `KEEP`) per leaf of the inner optimizer's `state`.
+
+  A state field is a field of a NamedTuple state (optax's states, found
+  inside chains, named chains, `inject_hyperparams` and `MultiSteps`);
+  it mirrors the params when it holds one array per param of `view` (the
+  params as the inner optimizer sees them), shaped like it. One format
+  applies to every float leaf of every mirroring field; a dict applies to
+  the fields it names.
+
+  Raises:
+    ValueError: for a name that is not a mirroring field of `state`, or a
+      named field holding a leaf that is not a real float.
+  """
+  named = formats if isinstance(formats, dict) else {}
+  mirroring, other = set(), set()
+
+  def field(name, value, where):
+    if _mirrors(value, view):
+      mirroring.add(name)
+      fmt = formats if not isinstance(formats, dict) else named.get(name)
+      if fmt is None:
+        return jax.tree.map(lambda _: KEEP, value)
+
+      def leaf(path, x):
+        if leaves.is_real_float(x):
+          return fmt
+        if isinstance(formats, dict):
+          raise ValueError(
+            f"state_formats[{name!r}] is {fmt!r}, but state leaf "
+            f"{leaves.keystr(where + path)!r} is {np.dtype(x.dtype).name}: "
+            "formats store real float leaves (bfloat16 to float64) only."
+          )
+        return KEEP
+
+      return jax.tree_util.tree_map_with_path(leaf, value)
+    other.add(name)
+    return visit(value, where)
+
+  def visit(node, where=()):
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      return type(node)(
+        *[
+          field(n, v, (*where, jax.tree_util.GetAttrKey(n)))
+          for n, v in zip(node._fields, node, strict=True)
+        ]
+      )
+    if isinstance(node, (tuple, list)):
+      return type(node)(
+        visit(v, (*where, jax.tree_util.SequenceKey(i)))
+        for i, v in enumerate(node)
+      )
+    if isinstance(node, dict):
+      return {
+        k: visit(v, (*where, jax.tree_util.DictKey(k))) for k, v in node.items()
+      }
+    return jax.tree.map(lambda _: KEEP, node)
+
+  tree = visit(state)
+  for name in named:
+    if name in mirroring:
+      continue
+    found = ", ".join(sorted(mirroring)) or "none"
+    if name in other:
+      raise ValueError(
+        f"state_formats names {name!r}, a field of the inner optimizer's "
+        "state that does not hold one value per param, so it has no "
+        f"stored format. Fields that do: {found}."
+      )
+    raise ValueError(
+      f"state_formats names {name!r}, which is no field of the inner "
+      f"optimizer's state. Fields that hold one value per param: {found}."
+    )
+  return tree
+
+
+def _key(fmt: Any, steps: jax.Array, index: int) -> Any:
+  if not (isinstance(fmt, BFloat16) and fmt.rounding == "stochastic"):
+    return None
+  key = jax.random.fold_in(jax.random.key(fmt.seed), steps)
+  return jax.random.fold_in(key, index)
+
+
+def compress_state(formats: Any, state: Any, steps: jax.Array) -> Any:
+  """`state` with each leaf stored in its format (`leaf_formats`).
+
+  Stochastic rounding draws from the format's seed, `steps` and the leaf's
+  position, so a resumed run draws the same bits.
+  """
+  flat, treedef = jax.tree.flatten(formats)
+  values = treedef.flatten_up_to(state)
+  out = [
+    x if fmt is KEEP else compress(fmt, x, _key(fmt, steps, i))
+    for i, (fmt, x) in enumerate(zip(flat, values, strict=True))
+  ]
+  return jax.tree.unflatten(treedef, out)
+
+
+def expand_state(formats: Any, stored: Any, native: Any) -> Any:
+  """The inner optimizer's state from `stored`, each leaf in the dtype of
+  `native` (its abstract state, `jax.eval_shape(inner.init, view)`)."""
+  flat, treedef = jax.tree.flatten(formats)
+  values = treedef.flatten_up_to(stored)
+  types = treedef.flatten_up_to(native)
+  out = [
+    x if fmt is KEEP else expand(fmt, x, t.dtype)
+    for fmt, x, t in zip(flat, values, types, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, out)
