@@ -22,7 +22,6 @@ import optax
 
 from jmp_train._src import leaves
 
-
 _GRADIENT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
 
@@ -35,26 +34,24 @@ def check_gradient_dtype(
     return None
   try:
     dtype = None if value is None else np.dtype(jnp.dtype(value))
-  except TypeError:
+  except (TypeError, ValueError):
     dtype = None
   if dtype not in _GRADIENT_DTYPES:
-    accepted = "jnp.float32 or jnp.bfloat16" + (" or None" * allow_none)
+    accepted = "jnp.float32 or jnp.bfloat16"
+    if allow_none:
+      accepted += " or None"
     raise ValueError(f"{name} must be {accepted}, got {value!r}.")
   return dtype
 
 
 def buffer_dtype(dtype: Any, target: Any) -> np.dtype:
-  """The dtype a gradient of `dtype` is held in when `target` (float32 or
-  bfloat16) is asked for: float16, bfloat16 and float32 gradients take
-  `target`, except that float32 never narrows a gradient (float64 and
-  complex ones keep their own dtype, as `leaves.full_dtype` says) and
-  bfloat16 applies to real gradients of at most 32 bits only (float64 and
-  complex gradients keep their own dtype: there is no bfloat16 complex, and
-  a float64 model asked for float64 on purpose).
+  """The dtype gradients of `dtype` are held in when `target` is asked for.
+
+  float16, bfloat16 and float32 gradients take `target` (float32 or
+  bfloat16); float64 and complex gradients keep their own dtype (there is
+  no bfloat16 complex, and a float64 model asked for float64).
   """
   dtype = np.dtype(dtype)
-  if np.dtype(target) == np.dtype(jnp.float32):
-    return leaves.full_dtype(dtype)
   if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 4:
     return np.dtype(target)
   return dtype

@@ -21,11 +21,10 @@ import re
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmp_train._src import leaves, optimizer_state
+from jmp_train._src import leaves, optimizer_state, param_update
 
 FORMAT = 1  # meta["format"]: leaves stored as `{index:05d}_{path}` keys.
 
@@ -138,7 +137,8 @@ def strip_masters(opt_state: Any) -> Any:
 
 
 def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
-  """Fills the master weights `template` has from the upcast `params`.
+  """Fills the master weights `template` has from the upcast `params` (a
+  zero remainder or compensation where it keeps those instead).
 
   `opt_state` is `strip_masters(template)` restored; `template` says which
   params keep a master copy (the others stay `optax.MaskedNode()`).
@@ -148,10 +148,7 @@ def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
     if not optimizer_state.is_mixed_precision_state(s):
       return s
     masters = jax.tree.map(
-      lambda m, p: m if leaves.is_masked(m) else p.astype(jnp.float32),
-      t.master_params,
-      params,
-      is_leaf=leaves.is_masked,
+      param_update.rebuilt, t.master_params, params, is_leaf=leaves.is_masked
     )
     return s._replace(master_params=masters)
 

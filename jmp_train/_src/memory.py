@@ -20,8 +20,9 @@ import re
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
-from jmp_train._src import leaves, optimizer_state, zero1
+from jmp_train._src import accumulation, leaves, optimizer_state, zero1
 
 
 def _device_bytes(x: Any) -> int:
@@ -45,7 +46,11 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
 
 
 def memory_table(
-  plan: zero1.Plan | None, state: Any, *, accum_steps: int = 1
+  plan: zero1.Plan | None,
+  state: Any,
+  *,
+  accum_steps: int = 1,
+  accum_dtype: Any = jnp.float32,
 ) -> dict[str, int]:
   """Bytes per device of each part of a train state laid out by `plan`.
 
@@ -58,13 +63,17 @@ def memory_table(
       state (as `TrainState.create` without a plan builds it), concrete or
       abstract: `jax.eval_shape(lambda p: TrainState.create(params=p,
       tx=tx), params)` needs no memory.
-    accum_steps: micro-batches per step; above 1 the step keeps a float32
-      gradient buffer.
+    accum_steps: micro-batches per step; above 1 the step keeps a gradient
+      accumulation buffer.
+    accum_dtype: the step's `accum_dtype` (`jnp.float32` or
+      `jnp.bfloat16`), the buffer's dtype when `accum_steps > 1`.
 
   Returns:
     A dict with `params`; `gradients` (one copy of the gradients in the
-    params' dtypes, the buffer the backward pass fills, or the float32
-    accumulation buffer when `accum_steps > 1`); `master_weights` (the
+    params' dtypes, the buffer the backward pass fills, or the accumulation
+    buffer when `accum_steps > 1`: float32 at least, or bfloat16 with
+    `accum_dtype=jnp.bfloat16`, float64 and complex leaves in their own
+    dtype either way); `master_weights` (the
     float32 copies `mixed_precision` keeps); `optimizer_state` (the rest of
     the optimizer state); `other_state` (model state such as BatchNorm
     statistics, FP8 metadata, the step counter and the PRNG key); and
@@ -83,6 +92,7 @@ def memory_table(
     (512, 1024)
   """
   accum_steps = leaves.check_int(accum_steps, "accum_steps", 1)
+  accum_dtype = accumulation.check_gradient_dtype(accum_dtype, "accum_dtype")
   if plan is None:
     stored = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state
@@ -106,7 +116,7 @@ def memory_table(
   def grad(p):
     dtype = p.dtype
     if accum_steps > 1 and leaves.is_float(p):
-      dtype = leaves.full_dtype(dtype)
+      dtype = accumulation.buffer_dtype(dtype, accum_dtype)
     return jax.ShapeDtypeStruct(p.shape, dtype)
 
   grads = _with_shardings(jax.tree.map(grad, state.params), param_shardings)

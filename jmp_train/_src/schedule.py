@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import leaves, optimizer_state
+from jmp_train._src import leaves, optimizer_state, state_format
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src import presets as presets_lib
@@ -42,14 +42,13 @@ def _as_preset(preset: presets_lib.Preset | str) -> presets_lib.Preset:
 
 
 def _full_values(params: Any, masters: Any) -> Any:
-  """Each float param's float32 value: its master if it has one."""
+  """Each float param's float32 value: its master if it has one (rebuilt
+  from a remainder, or param + compensation)."""
 
   def full(p, m):
     if not leaves.is_real_float(p):
       return p
-    if not leaves.is_masked(m):
-      return m
-    return leaves.widen(jnp.asarray(p))
+    return param_update_lib.full_value(p, m)
 
   return jax.tree.map(full, params, masters)
 
@@ -95,6 +94,21 @@ def adjust_precision(
   """
   preset = _as_preset(preset)
   state = optimizer_state.find_state(opt_state)
+  stored = jax.tree.leaves(
+    state.inner_state, is_leaf=lambda x: isinstance(x, state_format.Scaled)
+  )
+  if preset.state_formats is not None or any(
+    isinstance(x, state_format.Scaled) for x in stored
+  ):
+    # The stored state does not say which formats made it, so it cannot be
+    # converted to another preset's formats without guessing.
+    raise ValueError(
+      "adjust_precision converts params and master weights, not optimizer "
+      f"state storage formats: preset {preset.name!r} has state_formats="
+      f"{preset.state_formats!r}, or the state holds Float16/FP8 leaves. "
+      "Switch between presets whose state_formats are None, or start a new "
+      "optimizer state with the new preset's transformation."
+    )
   full = _full_values(params, state.master_params)
   if param_dtypes is None:
     target = jax.tree.map(

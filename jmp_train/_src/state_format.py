@@ -154,9 +154,7 @@ class FP8:
 StateFormat = Float32 | BFloat16 | Float16 | FP8
 
 _KINDS = (Float32, BFloat16, Float16, FP8)
-ACCEPTED = (
-  "jmp_train.state_format.Float32(), BFloat16(), Float16() or FP8(...)"
-)
+ACCEPTED = "jmp_train.state_format.Float32(), BFloat16(), Float16() or FP8(...)"
 
 
 def check(value: Any, name: str) -> StateFormat:
@@ -209,19 +207,33 @@ def _groups(x: jax.Array, size: int) -> jax.Array:
 
 
 def _split_sharding(x: jax.Array, count: int) -> Any:
-  sharding = jax.typeof(x).sharding
-  spec = tuple(getattr(sharding, "spec", ()) or ())
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not spec or all(s is None for s in spec):
+  sharding = _explicit_sharding(x)
+  if sharding is None:
     return None
-  spec = spec + (None,) * (x.ndim - len(spec))
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
   last = spec[-1]
   names = last if isinstance(last, tuple) else (last,)
-  size = math.prod(mesh.shape[a] for a in names if a is not None)
+  size = math.prod(sharding.mesh.shape[a] for a in names if a is not None)
   keep = last if last is not None and count % size == 0 else None
   return jax.sharding.NamedSharding(
-    mesh, jax.sharding.PartitionSpec(*spec[:-1], keep, None)
+    sharding.mesh, jax.sharding.PartitionSpec(*spec[:-1], keep, None)
   )
+
+
+def _explicit_sharding(x: jax.Array) -> Any:
+  """`x`'s sharding where it is part of its type (Explicit mesh axes)."""
+  sharding = jax.typeof(x).sharding
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  if getattr(sharding, "mesh", None) is None or all(s is None for s in spec):
+    return None
+  return sharding
+
+
+def _like(y: jax.Array, x: jax.Array) -> jax.Array:
+  """`y` (shaped like `x`) with `x`'s Explicit sharding, if it has one: the
+  stored values are laid out as the param they mirror."""
+  sharding = _explicit_sharding(x)
+  return y if sharding is None else jax.sharding.reshard(y, sharding)
 
 
 def _ungroup(g: jax.Array, shape: tuple) -> jax.Array:
@@ -253,7 +265,7 @@ def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
   else:
     scale = safe_amax / fp8_max
     values = jnp.clip(g / scale[..., None], -fp8_max, fp8_max)
-  values = _ungroup(values, x.shape).astype(dtype)
+  values = _like(_ungroup(values, x.shape).astype(dtype), x)
   if x.ndim == 0:
     scale, power = scale[0], None if power is None else power[0]
   return Scaled(values, scale, power)
@@ -273,7 +285,7 @@ def _fp8_expand(fmt: FP8, stored: Scaled) -> jax.Array:
     z = jnp.abs(g) / fp8_max
     out = jnp.sign(g) * jnp.power(z, 1.0 / power[..., None])
     out = out * scale[..., None]
-  return _ungroup(out, shape)
+  return _like(_ungroup(out, shape), stored.values)
 
 
 def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
@@ -293,9 +305,7 @@ def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
     if fmt.rounding == "stochastic":
       if key is None:
         raise ValueError("BFloat16(rounding='stochastic') needs a key.")
-      return rounding.cast_stochastic(
-        x.astype(jnp.float32), jnp.bfloat16, key
-      )
+      return rounding.cast_stochastic(x.astype(jnp.float32), jnp.bfloat16, key)
     return x.astype(jnp.bfloat16)
   if isinstance(fmt, Float16):
     wide = _finite(x)

@@ -10,8 +10,9 @@ function `state, metrics = step(state, batch)`:
       key_dm = fold_in(fold_in(fold_in(state.key, state.step), d), m)
       grads, fp8 amaxes, model_state = grad of scale * loss_fn(
           params, micro_batch, model_state, key_dm)   # model_state threaded
-    grads summed in float32 over micro-batches, then over devices
-      (reduce-scatter under ZeRO-1, all-reduce otherwise), divided by N * M
+    grads summed over micro-batches in an accum_dtype buffer (float32),
+      then over devices in grad_reduce_dtype (their own by default;
+      reduce-scatter under ZeRO-1, all-reduce otherwise), divided by N * M
     fp8 amaxes: max over micro-batches and devices
     model_state: mean over devices (identity when BatchNorm already syncs)
     params, opt_state = apply_updates(params, tx.update(grads, opt_state))
@@ -150,13 +151,14 @@ def _check_batch(batch: Any, multiple: int, what: str) -> None:
       )
 
 
-def _micro_grads(loss_fn, has_aux, accum_steps):
+def _micro_grads(loss_fn, has_aux, accum_steps, accum_dtype):
   """The gradient pass over one device's rows, micro-batch by micro-batch.
 
   Returns `run(params, fp8, model_state, batch, key, scale)` giving the
-  loss, grads and metrics summed over micro-batches (grads in float32 when
-  there are several), the FP8 amax gradients combined by max and the model
-  state after the last micro-batch.
+  loss, grads and metrics summed over micro-batches (loss and metrics in
+  float32, grads in an `accum_dtype` buffer when there are several), the
+  FP8 amax gradients combined by max and the model state after the last
+  micro-batch.
   """
 
   def run(params, fp8, model_state, batch, key, scale):
@@ -177,10 +179,12 @@ def _micro_grads(loss_fn, has_aux, accum_steps):
       grad = jax.grad(scaled, argnums=(0, 1), has_aux=True, allow_int=True)
       (grads, fp8_grads), (loss, new_state, metrics) = grad(params, fp8)
       grads = accumulation.zeros_for_non_float(grads, params)
-      return new_state, ((loss, grads, metrics), fp8_grads)
+      return new_state, ((loss, metrics), grads, fp8_grads)
 
-    model_state, (loss, grads, metrics), fp8_grads = (
-      accumulation.over_micro_batches(one, model_state, batch, accum_steps)
+    model_state, (loss, metrics), grads, fp8_grads = (
+      accumulation.over_micro_batches(
+        one, model_state, batch, accum_steps, accum_dtype=accum_dtype
+      )
     )
     return loss, grads, fp8_grads, model_state, metrics
 
@@ -213,17 +217,38 @@ def make_train_step(
   plan: zero1.Plan | None = None,
   accum_steps: int = 1,
   has_aux: bool = False,
+  accum_dtype: Any = jnp.float32,
+  grad_reduce_dtype: Any = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
   """A jitted train step: `state, metrics = step(state, batch)`.
 
   The step computes `loss_fn` on each device's share of the batch, times the
   loss scale of the `mixed_precision` state in `tx` (1 without one),
-  accumulates `accum_steps` micro-batch gradients in float32, reduces them
-  over the plan's data axis (reduce-scatter for ZeRO-1, all-reduce for
-  stage 0, nothing without a plan), runs `tx.update` and
-  `optax.apply_updates`, and all-gathers the new params. It donates the
-  state. On a skipped (non-finite) step only the optimizer's loss-scale
-  state and counters and `state.step` change.
+  accumulates `accum_steps` micro-batch gradients in an `accum_dtype`
+  buffer, reduces them over the plan's data axis (reduce-scatter for
+  ZeRO-1, all-reduce for stage 0, nothing without a plan) in
+  `grad_reduce_dtype`, runs `tx.update` and `optax.apply_updates`, and
+  all-gathers the new params. It donates the state. On a skipped
+  (non-finite) step only the optimizer's loss-scale state and counters and
+  `state.step` change.
+
+  The two gradient dtypes, per device and float16/bfloat16/float32 grads
+  (float64 and complex grads always keep their own dtype):
+
+      # accum_steps > 1: the buffer (loss and metrics: float32 always)
+      buffer = accum_dtype(grads_0)
+      for m in 1 .. M - 1:
+        buffer = accum_dtype(float32(buffer) + float32(grads_m))
+      # the reduction over the data axis (with a plan)
+      None:     sum(buffer) in buffer's dtype (float16: each divided by N
+                first, so the sum overflows only where the mean would)
+      float32:  sum(float32(buffer)) in float32
+      bfloat16: all_to_all(bfloat16(buffer)) of 1/N chunks, each device
+                adds the N chunks it gets in float32 (the bytes of a
+                bfloat16 reduce-scatter); ZeRO-1 keeps that float32 shard,
+                stage 0 (and ZeRO-1 leaves it keeps whole) rounds it to
+                bfloat16 and all-gathers it (a bfloat16 all-reduce's bytes)
+      grads = float32(sum) / (N * M)
 
   Args:
     loss_fn: `loss_fn(params, batch, model_state, key)`, the unscaled mean
@@ -240,8 +265,17 @@ def make_train_step(
     plan: a `zero1.Plan` (ZeRO-1 or data parallel on its mesh); None runs on
       one device without collectives (use a plan on a one-device mesh for a
       BatchNorm with `axis_name`), and only in a lone process.
-    accum_steps: micro-batches per step, accumulated in float32.
+    accum_steps: micro-batches per step.
     has_aux: whether `loss_fn` returns `(loss, (new_model_state, metrics))`.
+    accum_dtype: the gradient accumulation buffer's dtype when
+      `accum_steps > 1`: `jnp.float32` (default) or `jnp.bfloat16` (half
+      the memory, 8 significant bits per partial sum).
+    grad_reduce_dtype: the dtype gradients travel in for the reduction over
+      the data axis: None (default: their own, or the buffer's when
+      accumulating), `jnp.float32` (4 bytes per element, summed in float32)
+      or `jnp.bfloat16` (2 bytes per element, summed in float32; the sum is
+      rounded to bfloat16 once more for stage 0's all-gather). Without a
+      plan there is no reduction and the setting has nothing to change.
 
   Returns:
     The jitted step. `metrics` holds the mean loss, the aux metrics and, with
@@ -263,6 +297,10 @@ def make_train_step(
   """
   accum_steps = leaves.check_int(accum_steps, "accum_steps", 1)
   has_aux = leaves.check_bool(has_aux, "has_aux")
+  accum_dtype = accumulation.check_gradient_dtype(accum_dtype, "accum_dtype")
+  reduce_dtype = accumulation.check_gradient_dtype(
+    grad_reduce_dtype, "grad_reduce_dtype", allow_none=True
+  )
   if plan is not None and not isinstance(plan, zero1.Plan):
     raise TypeError(
       f"plan must be a jmp_train.zero1.Plan (make_plan(...)) or None, got "
@@ -277,7 +315,7 @@ def make_train_step(
       "parallelism)."
     )
   n = 1 if plan is None else plan.num_shards
-  run = _micro_grads(loss_fn, has_aux, accum_steps)
+  run = _micro_grads(loss_fn, has_aux, accum_steps, accum_dtype)
 
   def step(state: TrainState, batch: Any):
     what = "accum_steps" if plan is None else "data shards x accum_steps"
@@ -305,7 +343,7 @@ def make_train_step(
       work = state.params
     else:
       loss, grads, fp8_grads, model_state, metrics = _sharded(
-        plan, run, state, batch, key, scale
+        plan, run, state, batch, key, scale, reduce_dtype
       )
       grads = jax.tree.map(_mean(accum_steps, n), grads)
       work = _padded_params(plan, state.params)
@@ -498,10 +536,11 @@ def _gathered(plan: zero1.Plan, new: Any, old: Any) -> Any:
   return jax.tree.map(gather, plan.layouts, new, old, is_leaf=zero1.is_layout)
 
 
-def _sharded(plan, run, state, batch, key, scale):
+def _sharded(plan, run, state, batch, key, scale, reduce_dtype):
   """`run` on every device's rows inside `shard_map`, then the reductions:
-  grads summed (reduce-scatter under ZeRO-1), FP8 amaxes maxed, model
-  state and metrics averaged over the data axis."""
+  grads summed in `reduce_dtype` (None: their own; reduce-scatter under
+  ZeRO-1), FP8 amaxes maxed, model state and metrics averaged over the data
+  axis."""
   axis, n = plan.data_axis, plan.num_shards
   zero = plan.zero_stage == 1
 
@@ -525,6 +564,12 @@ def _sharded(plan, run, state, batch, key, scale):
     def reduce(lay, g, p):
       if not leaves.is_float(p):
         return jnp.zeros_like(p)
+      if reduce_dtype is not None:
+        # Summed in float32 either way: float32's range needs no division
+        # first (float16 grads travelling in float32 are not divided).
+        g = g.astype(accumulation.buffer_dtype(g.dtype, reduce_dtype))
+        if g.dtype == jnp.bfloat16:
+          return _sum_in_float32(g, lay if zero else None, axis, n)
       if g.dtype == jnp.float16:
         # Divided before the sum, so the sum of N per-device means cannot
         # overflow where one device's mean over the whole batch would not:
@@ -560,6 +605,37 @@ def _sharded(plan, run, state, batch, key, scale):
     out_specs=(P(), grad_specs, P(), P(), P()),
     axis_names={axis},
   )(state.params, state.fp8, state.model_state, batch, key, scale)
+
+
+def _sum_in_float32(
+  g: jax.Array, lay: zero1.LeafLayout | None, axis: str, n: int
+) -> jax.Array:
+  """The sum over `axis` of bfloat16 `g`, sent in bfloat16, added in float32.
+
+  Each device splits `g` in N chunks and sends chunk d to device d (one
+  all-to-all: the bytes of a bfloat16 reduce-scatter), then adds the N
+  chunks it received in float32. Along ZeRO-1's dimension (`lay.dim`, after
+  `lay.pad`) that float32 sum is the device's shard, as `psum_scatter`'s
+  would be. Without one (`lay` None for stage 0, or a leaf ZeRO-1 keeps
+  whole) the flattened leaf is split, and the summed chunks are rounded to
+  bfloat16 and all-gathered: the bytes of a bfloat16 ring all-reduce, where
+  a float32 `psum` would send twice as many.
+  """
+  whole = lay is None or lay.dim is None
+  if whole:
+    x = jnp.pad(g.reshape(-1), (0, -g.size % n))
+    dim = 0
+  else:
+    x, dim = lay.pad(g), lay.dim
+  x = jax.lax.all_to_all(x, axis, dim, dim, tiled=True)
+  chunks = x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1 :]
+  total = jnp.sum(x.reshape(chunks).astype(jnp.float32), axis=dim)
+  if not whole:
+    return total
+  total = jax.lax.all_gather(
+    total.astype(jnp.bfloat16), axis, tiled=True, to="invarying"
+  )
+  return total[: g.size].reshape(g.shape)
 
 
 def _device_mean(x: jax.Array, axis: str) -> jax.Array:

@@ -34,10 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import leaves
+from jmp_train._src import leaves, state_format
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
-from jmp_train._src import state_format
 from jmp_train._src.optimizer_state import MixedPrecisionState, find_state
 
 # The default rule: a frozen value, safe to share between calls.
