@@ -3,6 +3,7 @@
 import _models
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -58,6 +59,30 @@ def test_float32_buffer_beats_a_bf16_buffer():
   assert abs(float(bf16_sum) / 256 - float(x)) > 0.05  # what we avoid
 
 
+def test_bf16_buffer_rounds_each_add_as_the_rule_says():
+  # The same 256 micro-batches into accum_dtype=bfloat16: the rule written
+  # in NumPy (ml_dtypes rounds to nearest even, as XLA converts).
+  # Both params' gradients are mean(x): a bfloat16 and a float32 param's.
+  def loss_fn(p, x):
+    return jnp.mean(x) * (p["w"].astype(jnp.float32) + p["b"])
+
+  bf16 = ml_dtypes.bfloat16
+  x = np.float32(np.array(1.1, bf16))
+  params = {"w": jnp.ones((), jnp.bfloat16), "b": jnp.ones((), jnp.float32)}
+  batch = jnp.full((256,), x, jnp.float32)
+  _, grads = jmp.accumulate_gradients(
+    loss_fn, params, batch, 256, accum_dtype=jnp.bfloat16
+  )
+  buffer = np.array(x, bf16)
+  for _ in range(255):
+    buffer = np.array(np.float32(buffer) + x, bf16)
+  mean = np.array(np.float32(buffer) / 256, bf16)
+  for g in (grads["w"], grads["b"]):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(g, mean)
+  assert abs(float(mean) - float(x)) > 0.05  # the rounding it documents
+
+
 def test_rejects_bad_accum_steps_and_batches():
   params = {"w": jnp.ones(2)}
   with pytest.raises(
@@ -66,6 +91,13 @@ def test_rejects_bad_accum_steps_and_batches():
     jmp.accumulate_gradients(lambda p, b: 0.0, params, jnp.ones(4), 0)
   with pytest.raises(ValueError, match="divisible by accum_steps=3"):
     jmp.accumulate_gradients(lambda p, b: jnp.sum(b), params, jnp.ones(4), 3)
+  with pytest.raises(
+    ValueError,
+    match="accum_dtype must be jnp.float32 or jnp.bfloat16, got 'float16'",
+  ):
+    jmp.accumulate_gradients(
+      lambda p, b: jnp.sum(b), params, jnp.ones(4), 2, accum_dtype="float16"
+    )
 
 
 def test_rejects_integer_losses_and_bad_loss_scales():
@@ -92,8 +124,11 @@ def test_complex_params_get_their_gradients():
     return jnp.mean(jnp.abs(b @ p["z"]) ** 2) * p["n"]
 
   ref = jax.grad(loss, allow_int=True)(params, batch)["z"]  # plain JAX
-  for k in (1, 4):
-    _, grads = jmp.accumulate_gradients(loss, params, batch, k)
+  for k, dtype in ((1, jnp.float32), (4, jnp.float32), (4, jnp.bfloat16)):
+    # No bfloat16 complex: a bfloat16 buffer keeps complex64 for them.
+    _, grads = jmp.accumulate_gradients(
+      loss, params, batch, k, accum_dtype=dtype
+    )
     assert grads["z"].dtype == jnp.complex64
     np.testing.assert_allclose(grads["z"], ref, rtol=1e-5)
     assert int(grads["n"]) == 0

@@ -67,10 +67,17 @@ def test_table_matches_the_compiled_step(tiny_gpt):
   )
 
 
-def test_table_counts_the_float32_accumulation_buffer(tiny_gpt):
+def test_table_counts_the_accumulation_buffer_in_its_dtype(tiny_gpt):
   plan, state, _, _, n = tiny_gpt
   table = memory.memory_table(plan, state, accum_steps=2)
   assert table["gradients"] == 4 * n and table["params"] == 2 * n
+  bf16 = memory.memory_table(
+    plan, state, accum_steps=2, accum_dtype=jnp.bfloat16
+  )
+  assert bf16["gradients"] == 2 * n  # half the float32 buffer
+  assert bf16["total"] == table["total"] - 2 * n
+  with pytest.raises(ValueError, match="accum_dtype must be jnp.float32 or"):
+    memory.memory_table(plan, state, accum_steps=2, accum_dtype=jnp.float16)
 
 
 def test_table_refuses_a_state_of_another_optimizer(tiny_gpt):

@@ -2,19 +2,21 @@
 references written without the step builder."""
 
 import functools
+import re
 from typing import Any
 
 import _models
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jmp_train
-from jmp_train import train, zero1
+from jmp_train import memory, train, zero1
 
 DEVICES, ACCUM = 8, 2
 
@@ -479,6 +481,170 @@ def test_fp8_metadata_advances_in_the_state_and_holds_on_a_skipped_step():
     )
 
 
+# --- Gradient buffers: accum_dtype and grad_reduce_dtype --------------------
+
+
+def _dyadic_batches(steps, rows, cols=13, seed=5):
+  # Multiples of 2^-10 in [-4, 4). The means of two rows, their bfloat16
+  # roundings and sums of up to 8 of them are multiples of 2^-11 below 2^5
+  # (16 significant bits), then divided by powers of two: float32 holds
+  # every value exactly, so the only rounding in the gradients is the
+  # bfloat16 rounding the rule states, and the step must equal the float64
+  # reference bit for bit.
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    x = rng.integers(-(2**12), 2**12, (rows, cols)) / 2**10
+    out.append({"x": x.astype(np.float32)})
+  return out
+
+
+def _dyadic_loss(params, batch, model_state, key):
+  # The gradients are the means of the rows: w's of columns 0..11 (12 does
+  # not divide over 8 devices: ZeRO pads it), b's (a scalar, which ZeRO-1
+  # keeps whole) of column 12.
+  del model_state, key
+  x = batch["x"]
+  w, b = params["w"].astype(jnp.float32), params["b"].astype(jnp.float32)
+  return jnp.mean(x[:, :12] @ w) + jnp.mean(x[:, 12]) * b
+
+
+_DYADIC_PARAMS = {"w": np.zeros(12, np.float32), "b": np.float32(0)}
+
+
+def _bf16(x):
+  """`x` rounded to bfloat16 (to nearest even, as XLA converts)."""
+  x = np.asarray(x, np.float32)
+  return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _flat(params):
+  return np.append(np.asarray(params["w"]), np.asarray(params["b"]))
+
+
+@pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
+def test_accum_dtype_rounds_each_partial_sum_as_the_rule_says(accum_dtype):
+  # sgd(1) from zero params: the params after one step are minus the grads
+  # the optimizer got.
+  tx = optax.sgd(1.0)
+  batch = _dyadic_batches(1, rows=8)[0]
+  state = train.TrainState.create(params=_DYADIC_PARAMS, tx=tx)
+  step = train.make_train_step(
+    _dyadic_loss, tx, accum_steps=4, accum_dtype=accum_dtype
+  )
+  state, _ = step(state, batch)
+  # The rule, in float64: buffer = round(g_0); buffer = round(buffer + g_m)
+  # in order; grads = buffer / 4 (round: to bfloat16, or nothing).
+  grads = batch["x"].astype(np.float64).reshape(4, 2, 13).mean(1)
+  rnd = _bf16 if accum_dtype == jnp.bfloat16 else (lambda x: x)
+  buffer = rnd(grads[0])
+  for g in grads[1:]:
+    buffer = rnd(buffer + g)
+  np.testing.assert_array_equal(_flat(state.params), -buffer / 4)
+  if accum_dtype == jnp.bfloat16:  # the test tells the two buffers apart
+    assert not np.array_equal(buffer, grads.sum(0))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("reduce_dtype", [jnp.float32, jnp.bfloat16])
+def test_grad_reduce_dtype_sums_as_the_rule_says(zero_stage, reduce_dtype):
+  tx = optax.sgd(1.0)
+  data = _dyadic_batches(2, rows=16)
+  plan = zero1.make_plan(
+    tx, _DYADIC_PARAMS, _models.mesh(), zero_stage=zero_stage
+  )
+  state = train.TrainState.create(params=_DYADIC_PARAMS, tx=tx, plan=plan)
+  step = train.make_train_step(
+    _dyadic_loss, tx, plan=plan, grad_reduce_dtype=reduce_dtype
+  )
+  state, _, _ = _run(step, state, data)
+  # The rule, in float64: device d's gradients g_d (the means of its two
+  # rows), sent as float32 or rounded to bfloat16, summed (exactly here)
+  # and divided by 8. In bfloat16 a leaf that no device keeps a shard of
+  # (every leaf at stage 0, the scalar b under ZeRO-1) comes back from a
+  # bfloat16 all-gather: its sum rounded once more.
+  params, f32_params = np.zeros(13), np.zeros(13)
+  whole = np.arange(13) >= (0 if zero_stage == 0 else 12)
+  for batch in data:
+    per_device = batch["x"].astype(np.float64).reshape(8, 2, 13).mean(1)
+    f32_params -= per_device.sum(0) / 8
+    if reduce_dtype == jnp.bfloat16:
+      total = _bf16(per_device).sum(0)
+      total = np.where(whole, _bf16(total), total)
+    else:
+      total = per_device.sum(0)
+    params -= total / 8
+  np.testing.assert_array_equal(_flat(state.params), params)
+  if reduce_dtype == jnp.bfloat16:  # the test tells the two dtypes apart
+    assert not np.array_equal(params, f32_params)
+
+
+def test_grad_reduce_dtype_sets_what_the_collectives_carry():
+  # bfloat16 params: their gradients are bfloat16, so each setting shows in
+  # the lowered program's collectives (lowering only: nothing compiles).
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _DYADIC_PARAMS)
+  batch = _dyadic_batches(1, rows=16)[0]
+  plan = zero1.make_plan(tx, params, _models.mesh())
+  state = train.TrainState.create(params=params, tx=tx, plan=plan)
+
+  def grad_ops(reduce_dtype):
+    step = train.make_train_step(
+      _dyadic_loss, tx, plan=plan, grad_reduce_dtype=reduce_dtype
+    )
+    text = step.lower(state, batch).as_text(dialect="hlo")
+    ops = {}
+    for line in text.splitlines():
+      m = re.search(
+        r"= (\w+)\[(\d*)\]\S* (all-to-all|reduce-scatter|all-gather)\(", line
+      )
+      if m:
+        ops.setdefault(m.group(3), []).append((m.group(1), m.group(2)))
+    return ops, memory.collective_stats(text, DEVICES)
+
+  own, own_found = grad_ops(None)
+  f32, _ = grad_ops(jnp.float32)
+  bf16, bf16_found = grad_ops(jnp.bfloat16)
+  # w (padded to 16, 2 per device) is reduce-scattered: in its own dtype by
+  # default, in float32 when asked; b (a scalar) is all-reduced.
+  assert own["reduce-scatter"] == [("bf16", "2")]
+  assert f32["reduce-scatter"] == [("f32", "2")]
+  assert "all-to-all" not in own and "all-to-all" not in f32
+  # bfloat16: no reduce-scatter; one bfloat16 all-to-all per float leaf,
+  # w's with a bfloat16 reduce-scatter's bytes, b's (padded to 8) followed
+  # by a bfloat16 all-gather of the float32 sums rounded.
+  assert "reduce-scatter" not in bf16
+  assert sorted(bf16["all-to-all"]) == [("bf16", "16"), ("bf16", "8")]
+  assert ("bf16", "8") in bf16["all-gather"]
+  sent = [c.bytes for c in own_found if c.kind == "reduce-scatter"]
+  assert sent == [16 * 2 * (DEVICES - 1) / DEVICES]
+  w = [c for c in bf16_found if c.kind == "all-to-all" and c.shape_bytes == 32]
+  assert [c.bytes for c in w] == sent
+
+
+def test_gradient_dtypes_refuse_what_the_step_cannot_honour():
+  tx = optax.sgd(0.1)
+  for bad in (jnp.float16, "float64", None, "f32x"):
+    with pytest.raises(
+      ValueError,
+      match=r"accum_dtype must be jnp.float32 or jnp.bfloat16, got "
+      + re.escape(repr(bad)),
+    ):
+      train.make_train_step(_dyadic_loss, tx, accum_dtype=bad)
+  for bad in (jnp.float16, jnp.int8, "float64"):
+    with pytest.raises(
+      ValueError,
+      match=r"grad_reduce_dtype must be jnp.float32 or jnp.bfloat16 or "
+      r"None, got " + re.escape(repr(bad)),
+    ):
+      train.make_train_step(_dyadic_loss, tx, grad_reduce_dtype=bad)
+  # Dtype names are dtypes too; without a plan there is no reduction, so
+  # grad_reduce_dtype has nothing to change (and nothing to refuse).
+  train.make_train_step(
+    _dyadic_loss, tx, accum_dtype="bfloat16", grad_reduce_dtype=jnp.bfloat16
+  )
+
+
 # --- Arguments --------------------------------------------------------------
 
 
@@ -488,13 +654,16 @@ def _linear_loss(params, batch, model_state, key):
   return jnp.mean(batch["x"] @ params["w"].astype(jnp.float32))
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize(
+  "zero_stage, reduce_dtype", [(0, None), (1, None), (1, jnp.float32)]
+)
 def test_float16_reduction_does_not_overflow_where_one_device_would_not(
-  zero_stage,
+  zero_stage, reduce_dtype
 ):
   # Every device's gradient is 19,664 (float16-exact); their sum over 8
   # devices, 157,312, exceeds float16's 65,504, the mean does not. One device
-  # with the whole batch applies the step, so 8 devices must too.
+  # with the whole batch applies the step, so 8 devices must too, whether
+  # the gradients travel in float16 (divided by 8 first) or in float32.
   lr = 2.0**-16
   tx = jmp_train.mixed_precision(
     optax.sgd(lr), loss_scale=jmp_train.StaticLossScale(1.0)
@@ -503,9 +672,10 @@ def test_float16_reduction_does_not_overflow_where_one_device_would_not(
   batch = {"x": np.full((16, 8), 19664.0, np.float32)}
   plan = zero1.make_plan(tx, params, _models.mesh(), zero_stage=zero_stage)
   state = train.TrainState.create(params=params, tx=tx, plan=plan)
-  state, metrics = train.make_train_step(_linear_loss, tx, plan=plan)(
-    state, batch
+  step = train.make_train_step(
+    _linear_loss, tx, plan=plan, grad_reduce_dtype=reduce_dtype
   )
+  state, metrics = step(state, batch)
   assert bool(metrics["last_step_finite"])
   # float64 reference: master = 1 - lr * 19664, params its float16 cast.
   master = np.float32(1.0 - lr * 19664.0)
