@@ -25,9 +25,12 @@ class MixedPrecisionState(NamedTuple):
   Attributes:
     loss_scaler: the loss scale (NoOp, Static or Dynamic) to multiply the
       next loss by; `current_loss_scale` reads it.
-    master_params: float32 copies of the params stored below float32, with
-      `optax.MaskedNode()` where a param keeps no master copy.
-    inner_state: the wrapped optimizer's state.
+    master_params: what `param_update` keeps beside each param stored below
+      float32: a float32 master (`MasterWeights`), the master's int16
+      remainder (`ParamRemainders`) or a compensation in the param's dtype
+      (`KahanSummation`); `optax.MaskedNode()` where a param keeps nothing.
+    inner_state: the wrapped optimizer's state, its fields stored as
+      `state_formats` says (`jmp_train.state_format`).
     steps: number of `update` calls.
     skipped_steps: number of updates skipped for non-finite gradients.
     last_step_finite: whether the last step's gradients were all finite.

@@ -10,8 +10,25 @@
 | `bf16-fp8-mixed` | float32 | bfloat16| float32 | none       | n/a         | hybrid      | -    |
 | `fp16-fp8-mixed` | float32 | float16 | float32 | dynamic    | n/a         | hybrid      | -    |
 
-Every preset's `param_update` is `MasterWeights()`, the `mixed_precision`
-default: where params are float32 ("n/a") there is nothing to keep.
+The presets above use `MasterWeights()`, the `mixed_precision` default (where
+params are float32, "n/a", there is nothing to keep), and float32 optimizer
+state. The lean presets below keep bf16 params and compute (as `bf16-true`)
+with less beside them; bytes per param with Adam on one device, gradients
+(bf16) included:
+
+| preset             | param_update          | mu          | nu                | B/param |
+|--------------------|-----------------------|-------------|-------------------|---------|
+| `bf16-true`        | `MasterWeights()`     | float32     | float32           | 16      |
+| `bf16-remainders`  | `ParamRemainders()`   | float32     | float32           | 14      |
+| `bf16-lean`        | `ParamRemainders()`   | bfloat16    | bfloat16          | 10      |
+| `bf16-kahan-lean`  | `KahanSummation()`    | bfloat16    | bfloat16          | 10      |
+| `bf16-fp8-adam`    | `ParamRemainders()`   | FP8 (E4M3)  | bfloat16          | 9.03    |
+| `bf16-sr-lean`     | `StochasticRounding()`| bfloat16    | bfloat16          | 8       |
+| `bf16-sr-fp8-adam` | `StochasticRounding()`| FP8 (E4M3)  | bfloat16          | 7.03    |
+| `bf16-sr-coat`     | `StochasticRounding()`| FP8 (E4M3)  | FP8, range expanded| 6.09   |
+
+FP8 states have one float32 scale per 128 values (and one exponent with range
+expansion). ZeRO-1 divides everything but the params and gradients by N.
 
 The fp8 presets are NeMo's `bf16_with_fp8_mixed` / `fp16_with_fp8_mixed`:
 the mixed policy plus Transformer Engine's default delayed-scaling recipe
