@@ -130,8 +130,8 @@ class FP8:
     >>> import jax.numpy as jnp
     >>> x = jnp.array([0.5, -1.0, 2.0, 100.0], jnp.float32)
     >>> stored = compress(FP8(group_size=2), x)
-    >>> print(stored.values.dtype, (stored.scale * 448).round(3))  # absmax
-    float8_e4m3fn [  1. 100.]
+    >>> stored.values.dtype, (stored.scale == jnp.array([1.0, 100.0]) / 448)
+    (dtype(float8_e4m3fn), Array([ True,  True], dtype=bool))
     >>> expand(FP8(group_size=2), stored).round(3).tolist()
     [0.502, -1.0, 2.009, 100.0]
   """
@@ -251,7 +251,10 @@ def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
   g = _groups(_finite(x), fmt.group_size)
   magnitude = jnp.abs(g)
   amax = jnp.max(magnitude, axis=-1)
-  safe_amax = jnp.where(amax > 0, amax, 1.0)
+  # An all-zero group (ZeRO-1's padding among them) stores scale 0 and
+  # power 0: the bits zero-padding gives it.
+  nonzero = amax > 0
+  safe_amax = jnp.where(nonzero, amax, 1.0)
   power = None
   if fmt.expand_range:
     # COAT: |x / amax| in (0, 1] raised to k fills [fp8 min normal, 1].
@@ -261,10 +264,11 @@ def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
     power = jnp.where(z_min < 1.0, target / jnp.log(z_min), 1.0)
     y = jnp.sign(g) * jnp.power(z, power[..., None])
     values = jnp.clip(y * fp8_max, -fp8_max, fp8_max)
-    scale = safe_amax  # expand multiplies |y|^(1/k) by it
+    power = jnp.where(nonzero, power, 0.0)
+    scale = amax  # expand multiplies |y|^(1/k) by it
   else:
-    scale = safe_amax / fp8_max
-    values = jnp.clip(g / scale[..., None], -fp8_max, fp8_max)
+    values = jnp.clip(g / (safe_amax / fp8_max)[..., None], -fp8_max, fp8_max)
+    scale = amax / fp8_max
   values = _like(_ungroup(values, x.shape).astype(dtype), x)
   if x.ndim == 0:
     scale, power = scale[0], None if power is None else power[0]
@@ -283,7 +287,8 @@ def _fp8_expand(fmt: FP8, stored: Scaled) -> jax.Array:
     out = g * scale[..., None]
   else:
     z = jnp.abs(g) / fp8_max
-    out = jnp.sign(g) * jnp.power(z, 1.0 / power[..., None])
+    inverse = 1.0 / jnp.where(power > 0, power, 1.0)
+    out = jnp.sign(g) * jnp.power(z, inverse[..., None])
     out = out * scale[..., None]
   return _like(_ungroup(out, shape), stored.values)
 
@@ -310,8 +315,9 @@ def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
   if isinstance(fmt, Float16):
     wide = _finite(x)
     amax = jnp.max(jnp.abs(wide)) if wide.size else jnp.float32(0)
-    scale = jnp.where(amax > 0, amax / _FLOAT16_RANGE, 1.0)
-    return Scaled((wide / scale).astype(jnp.float16), scale.astype(jnp.float32))
+    scale = amax / _FLOAT16_RANGE  # 0 for an all-zero leaf
+    safe = jnp.where(amax > 0, scale, 1.0)
+    return Scaled((wide / safe).astype(jnp.float16), scale.astype(jnp.float32))
   return _fp8_compress(fmt, x)
 
 
