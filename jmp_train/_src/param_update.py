@@ -88,7 +88,9 @@ class ParamRemainders:
   halfway below it, so 2**16 + 1 masters share one param; that one is kept
   one float32 ulp lower (`+ 0x7FFF`), which rounds to the same param. The
   masters then differ by 2**-24 of their value, the size of the float32
-  update's own rounding error.
+  update's own rounding error. From then on the two runs may differ: a later
+  master that lands exactly halfway under an odd param rounds up in the
+  `MasterWeights()` run and down here.
 
   For bfloat16 params only: `init` refuses a float16 param (float16 is not
   the top half of a float32).
