@@ -573,3 +573,47 @@ def test_rewrapping_starts_over_but_keeps_inner_wraps_and_settings():
   assert _dots(model, "encode") == [f16]
   with pytest.raises(TypeError, match="methods takes names"):
     mp_nnx.wrap(Nested(nnx.Rngs(0)), "p=f32", methods=[Nested.encode])
+
+
+def test_nnx_optimizer_keeps_stored_state_formats_across_jitted_steps():
+  # nnx.Optimizer builds the state from nnx.Params and refills it after each
+  # update; stored FP8/bf16 moments must come back as they were stored, and
+  # the run must equal the same transformation driven by plain arrays.
+  from jmp_train import state_format as sf
+
+  formats = {"mu": sf.FP8(group_size=4), "nu": sf.BFloat16()}
+  tx = jmp_train.mixed_precision(
+    optax.adam(1e-2),
+    param_update=jmp_train.ParamRemainders(),
+    state_formats=formats,
+  )
+  model = nnx.Linear(8, 3, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  x = jnp.linspace(-1, 1, 16, dtype=jnp.bfloat16).reshape(2, 8)
+
+  def loss(m):
+    return jnp.mean(jnp.square(m(x).astype(jnp.float32) - 0.5))
+
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  opt_state = tx.init(params)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer):
+    optimizer.update(model, nnx.grad(loss)(model))
+
+  graphdef = nnx.graphdef(model)
+  for _ in range(3):
+    step(model, optimizer)
+    grads = nnx.as_pure(
+      nnx.state(nnx.grad(loss)(nnx.merge(graphdef, params)), nnx.Param)
+    )
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  mu = nnx.as_pure(optimizer.opt_state).inner_state[0].mu["kernel"]
+  assert mu.values.dtype == jnp.float8_e4m3fn and mu.scale.shape == (8, 1)
+  for a, b in zip(
+    jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param))),
+    jax.tree.leaves(params),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(a, b)

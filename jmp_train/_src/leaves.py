@@ -83,3 +83,20 @@ def check_bool(value: Any, name: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be True or False, got {value!r}.")
   return bool(value)
+
+
+def without_variables(tree: Any) -> Any:
+  """`tree` with every `flax.nnx.Variable` replaced by its value.
+
+  `nnx.Optimizer` passes `tx.init` a state of `nnx.Param`s and later
+  `tx.update` plain arrays; a state built from the former keeps them as
+  containers, which nnx later refills with whatever sits inside.
+  """
+  from flax import nnx  # noqa: PLC0415 (only where nnx states can appear)
+
+  def value(x):
+    return x.get_value() if isinstance(x, nnx.Variable) else x
+
+  return jax.tree.map(
+    value, tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )

@@ -238,6 +238,10 @@ def mixed_precision(
     params = _checked_leaves(params, "params")
     masters = param_update_lib.init_masters(rule, params)
     view = _full_view(params, masters)
+    if formats is not None:
+      # Stored leaves replace arrays; inside an nnx.Param (nnx.Optimizer's
+      # init) nnx would later refill the Param with a dict of them.
+      view = leaves.without_variables(view)
     steps = jnp.zeros([], jnp.int32)
     return MixedPrecisionState(
       loss_scaler=scaler0,
