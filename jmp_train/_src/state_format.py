@@ -26,7 +26,10 @@ stochastic with `rounding="stochastic"`).
 
 Values beyond float32's range (an `inf` second moment after huge finite
 gradients) are stored as the largest finite float32 before scaling, so a
-scale is always finite; NaN stays NaN.
+scale is always finite; NaN stays NaN. A scale is never below float32's
+smallest normal (2**-126; 0 for an all-zero group), which CPUs and GPUs
+would flush to 0: a group of tiny values keeps FP8's or float16's precision
+down to about 2**-126.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ _FP8_DTYPES = {
   "e5m2": np.dtype(jnp.float8_e5m2),
 }
 _FLOAT16_RANGE = float(np.finfo(np.float16).max) / 2
+# float32's smallest normal. XLA divides by a broadcast scale as a multiply by
+# its reciprocal, and CPUs and GPUs flush subnormals to 0: a scale below this
+# (or a reciprocal below it) would be 0 and store inf or 0 for every value.
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +265,10 @@ def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
   power = None
   if fmt.expand_range:
     # COAT: |x / amax| in (0, 1] raised to k fills [fp8 min normal, 1].
-    z = magnitude / safe_amax[..., None]
+    # An exact power of two first brings amax below 2**64, so that the
+    # reciprocal XLA multiplies by stays normal (for an amax up to inf).
+    shift = jnp.where(safe_amax > 2.0**64, 2.0**-64, 1.0)
+    z = (magnitude * shift[..., None]) / (safe_amax * shift)[..., None]
     z_min = jnp.min(jnp.where(z > 0, z, 1.0), axis=-1)
     target = float(np.log(float(info.smallest_normal) / fp8_max))
     power = jnp.where(z_min < 1.0, target / jnp.log(z_min), 1.0)
@@ -267,8 +277,9 @@ def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
     power = jnp.where(nonzero, power, 0.0)
     scale = amax  # expand multiplies |y|^(1/k) by it
   else:
-    values = jnp.clip(g / (safe_amax / fp8_max)[..., None], -fp8_max, fp8_max)
-    scale = amax / fp8_max
+    scale = jnp.maximum(safe_amax / fp8_max, _TINY)
+    values = jnp.clip(g / scale[..., None], -fp8_max, fp8_max)
+    scale = jnp.where(nonzero, scale, 0.0)
   values = _like(_ungroup(values, x.shape).astype(dtype), x)
   if x.ndim == 0:
     scale, power = scale[0], None if power is None else power[0]
@@ -315,8 +326,8 @@ def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
   if isinstance(fmt, Float16):
     wide = _finite(x)
     amax = jnp.max(jnp.abs(wide)) if wide.size else jnp.float32(0)
-    scale = amax / _FLOAT16_RANGE  # 0 for an all-zero leaf
-    safe = jnp.where(amax > 0, scale, 1.0)
+    safe = jnp.maximum(jnp.where(amax > 0, amax, 1.0) / _FLOAT16_RANGE, _TINY)
+    scale = jnp.where(amax > 0, safe, 0.0)  # 0 for an all-zero leaf
     return Scaled((wide / safe).astype(jnp.float16), scale.astype(jnp.float32))
   return _fp8_compress(fmt, x)
 
