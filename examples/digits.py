@@ -141,10 +141,9 @@ def main(argv=None):
   batch_stats = variables.get("batch_stats", {})
   fp8_meta = variables.get("fp8_meta", {})
   schedule = optax.cosine_decay_schedule(args.lr, total_steps)
-  tx = jmp_train.mixed_precision(
-    optax.adamw(schedule, weight_decay=args.weight_decay),
-    loss_scale=preset.loss_scale,
-    param_update=preset.param_update,
+  # The preset's loss scale, param-update rule and optimizer-state formats.
+  tx = preset.mixed_precision(
+    optax.adamw(schedule, weight_decay=args.weight_decay)
   )
   opt_state = tx.init(params)
   initial_scale = float(jmp_train.current_loss_scale(opt_state))

@@ -168,3 +168,63 @@ def test_preset_fields_are_checked_when_built_or_replaced():
       dataclasses.replace(preset, **{field: value})
   with pytest.raises(ValueError, match="loss_scale"):
     dataclasses.replace(preset, loss_scale=0.0)
+
+
+# The lean presets: bf16 params and compute, less kept beside them. Bytes per
+# value of what each keeps, by the written rule: a float32 master 4, an int16
+# remainder or bf16 compensation 2; moments float32 4, bfloat16 2, FP8 1 plus
+# a float32 scale per 128 values (and a float32 exponent with range
+# expansion).
+_FP8 = 1 + 4 / 128
+LEAN = {
+  # name: (param_update, kept beside the param, mu, nu)
+  "bf16-remainders": (jmp_train.ParamRemainders(), 2, 4, 4),
+  "bf16-lean": (jmp_train.ParamRemainders(), 2, 2, 2),
+  "bf16-kahan-lean": (jmp_train.KahanSummation(), 2, 2, 2),
+  "bf16-fp8-adam": (jmp_train.ParamRemainders(), 2, _FP8, 2),
+  "bf16-sr-lean": (jmp_train.StochasticRounding(seed=0), 0, 2, 2),
+  "bf16-sr-fp8-adam": (jmp_train.StochasticRounding(seed=0), 0, _FP8, 2),
+  "bf16-sr-coat": (jmp_train.StochasticRounding(seed=0), 0, _FP8, _FP8 + 4 / 128),
+}
+
+
+def test_lean_presets_keep_the_bytes_their_rule_says():
+  from jmp_train import memory, train
+
+  params = {
+    "w": jax.ShapeDtypeStruct((256, 512), jnp.bfloat16),
+    "b": jax.ShapeDtypeStruct((3, 128), jnp.bfloat16),
+  }
+  n = 256 * 512 + 3 * 128
+
+  def table_of(preset):
+    tx = preset.mixed_precision(optax.adamw(1e-3))
+    state = jax.eval_shape(
+      lambda p: train.TrainState.create(params=p, tx=tx), params
+    )
+    return memory.memory_table(None, state)
+
+  # The scalars (step counts, flags, norm) besides bf16-true's 8 B moments.
+  scalars = table_of(jmp_train.get_preset("bf16-true"))["optimizer_state"]
+  scalars -= 8 * n
+  assert 0 < scalars < 64
+  for name, (rule, kept, mu, nu) in LEAN.items():
+    preset = jmp_train.get_preset(name)
+    assert preset.policy == jmp_train.get_policy("p=bf16,c=bf16,o=f32")
+    assert preset.param_update == rule and preset.fp8 is None
+    table = table_of(preset)
+    assert table["params"] == table["gradients"] == 2 * n, name
+    assert table["master_weights"] == kept * n, name
+    assert table["optimizer_state"] - scalars == round((mu + nu) * n), name
+    if name == "bf16-sr-lean":  # the goal: 8 B/param at N = 1
+      assert table["total"] - table["other_state"] - scalars == 8 * n
+
+
+def test_preset_state_formats_are_read_only():
+  preset = jmp_train.get_preset("bf16-fp8-adam")
+  with pytest.raises(TypeError):
+    preset.state_formats["mu"] = jmp_train.state_format.Float32()
+  assert jmp_train.get_preset("bf16-fp8-adam").state_formats["mu"] == (
+    jmp_train.state_format.FP8()
+  )
+  assert hash(preset) == hash(jmp_train.get_preset("bf16-fp8-adam"))

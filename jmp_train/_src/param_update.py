@@ -86,7 +86,7 @@ class ParamRemainders:
   bfloat16 value with an even last bit (`bits(master) = bits(param) << 16 +
   0x8000`, about one value in 2**17) rounds to the same param as the one
   halfway below it, so 2**16 + 1 masters share one param; that one is kept
-  one float32 ulp lower (`+ 0x7FFF`), which rounds to the same param. The
+  one float32 ulp nearer zero (`+ 0x7FFF`), which rounds to the same param. The
   masters then differ by 2**-24 of their value, the size of the float32
   update's own rounding error. From then on the two runs may differ: a later
   master that lands exactly halfway under an odd param rounds up in the
@@ -298,9 +298,11 @@ def leaf_keys(rule: ParamUpdate, params: Any, steps: jax.Array) -> Any:
   flat, treedef = jax.tree.flatten(params)
   if not isinstance(rule, StochasticRounding):
     return jax.tree.unflatten(treedef, [None] * len(flat))
-  step_key = jax.random.fold_in(jax.random.key(rule.seed), steps)
-  keys = jax.random.split(step_key, max(len(flat), 1))
-  return jax.tree.unflatten(treedef, list(keys[: len(flat)]))
+  keys = [
+    rounding.leaf_key(rule.seed, rounding.PARAM_STREAM, steps, i)
+    for i in range(len(flat))
+  ]
+  return jax.tree.unflatten(treedef, keys)
 
 
 class LeafUpdate(NamedTuple):

@@ -47,6 +47,7 @@ README).
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import optax
@@ -56,7 +57,7 @@ from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src import policy as policy_lib
 from jmp_train._src import state_format as sf
-from jmp_train._src import transform
+from jmp_train._src import state_storage, transform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +75,12 @@ class Preset:
       object, or None or a positive number as `mixed_precision` takes them
       (stored as `NoOpLossScale()` / `StaticLossScale`).
     param_update: how params stored below float32 are updated
-      (`MasterWeights()`, `RoundToNearest()` or `StochasticRounding(seed)`).
+      (`MasterWeights()`, `ParamRemainders()`, `KahanSummation()`,
+      `RoundToNearest()` or `StochasticRounding(seed)`).
     fp8: the FP8 recipe for the model's matmuls, or None.
     state_formats: how the optimizer state is stored (`mixed_precision`'s
-      `state_formats`: None, one format, or a dict by field name).
+      `state_formats`: None, one format for the moments, or a mapping by
+      field name, kept read-only).
 
   Raises:
     TypeError: for a field of the wrong kind, naming it.
@@ -121,14 +124,19 @@ class Preset:
         f"Preset fp8 must be a jmp_train.fp8.Fp8Recipe or None, got "
         f"{self.fp8!r}."
       )
-    formats = sf.check_formats(self.state_formats)
+    formats = state_storage.check_formats(
+      self.state_formats, "Preset state_formats"
+    )
+    if isinstance(formats, dict):
+      # A preset is a shared value: its dict must not change under it.
+      formats = types.MappingProxyType(formats)
     object.__setattr__(self, "state_formats", formats)
 
   # Equal presets have equal fields, so hashing all but the loss scale (which
   # may hold arrays) keeps presets usable as dict keys and static arguments.
   def __hash__(self) -> int:
     formats = self.state_formats
-    if isinstance(formats, dict):
+    if isinstance(formats, types.MappingProxyType):
       formats = tuple(sorted(formats.items()))
     return hash((self.name, self.policy, self.param_update, self.fp8, formats))
 

@@ -98,3 +98,19 @@ def cast_stochastic(tree: T, dtype: Any, key: jax.Array) -> T:
   return jax.tree.unflatten(
     treedef, [cast(x, k) for x, k in zip(flat, keys, strict=False)]
   )
+
+
+# Streams of random bits, so that two users of one seed never share bits.
+PARAM_STREAM = 0  # `StochasticRounding` params
+STATE_STREAM = 1  # `BFloat16(rounding="stochastic")` optimizer state
+
+
+def leaf_key(seed: int, stream: int, steps: Any, index: int) -> jax.Array:
+  """The key of one leaf's stochastic rounding at update `steps`.
+
+  A function of the seed, the stream, the update's index (the
+  `mixed_precision` state's `steps` before it) and the leaf's position only,
+  so a resumed run draws the same bits.
+  """
+  key = jax.random.fold_in(jax.random.key(seed), stream)
+  return jax.random.fold_in(jax.random.fold_in(key, steps), index)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import leaves, optimizer_state, state_format
+from jmp_train._src import leaves, optimizer_state, state_format, state_storage
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src import presets as presets_lib
@@ -51,6 +51,16 @@ def _full_values(params: Any, masters: Any) -> Any:
     return param_update_lib.full_value(p, m)
 
   return jax.tree.map(full, params, masters)
+
+
+def _formats_repr(formats: Any) -> str:
+  return repr(dict(formats) if isinstance(formats, Mapping) else formats)
+
+
+def _stored_kind(x: Any) -> str:
+  if isinstance(x, state_format.Scaled):
+    return f"{np.dtype(x.values.dtype).name} with scales"
+  return np.dtype(x.dtype).name
 
 
 def _same_settings(a: ls_lib.LossScale, b: ls_lib.LossScale) -> bool:
@@ -94,21 +104,28 @@ def adjust_precision(
   """
   preset = _as_preset(preset)
   state = optimizer_state.find_state(opt_state)
-  stored = jax.tree.leaves(
-    state.inner_state, is_leaf=lambda x: isinstance(x, state_format.Scaled)
-  )
-  if preset.state_formats is not None or any(
-    isinstance(x, state_format.Scaled) for x in stored
-  ):
-    # The stored state does not say which formats made it, so it cannot be
-    # converted to another preset's formats without guessing.
+  # The stored state does not say which formats made it, so it cannot be
+  # converted to another preset's formats without guessing.
+  if preset.state_formats is not None:
     raise ValueError(
-      "adjust_precision converts params and master weights, not optimizer "
-      f"state storage formats: preset {preset.name!r} has state_formats="
-      f"{preset.state_formats!r}, or the state holds Float16/FP8 leaves. "
-      "Switch between presets whose state_formats are None, or start a new "
-      "optimizer state with the new preset's transformation."
+      f"adjust_precision converts params and master weights, not optimizer "
+      f"state storage: preset {preset.name!r} has state_formats="
+      f"{_formats_repr(preset.state_formats)}. Switch to a preset whose "
+      "state_formats is None, or start a new optimizer state with this "
+      "preset's transformation."
     )
+  view = jax.tree.map(
+    lambda p: p if leaves.is_float(p) else leaves.MASKED, params
+  )
+  for path, x in state_storage.mirroring_leaves(state.inner_state, view):
+    if isinstance(x, state_format.Scaled) or np.dtype(x.dtype).itemsize < 4:
+      raise ValueError(
+        "adjust_precision converts params and master weights, not optimizer "
+        f"state storage: the state's leaf inner_state/{path} is stored "
+        f"as {_stored_kind(x)}, and a preset's transformation would read it "
+        "as float32. Start a new optimizer state with the new preset's "
+        "transformation, or stay with the current one."
+      )
   full = _full_values(params, state.master_params)
   if param_dtypes is None:
     target = jax.tree.map(

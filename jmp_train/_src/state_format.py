@@ -95,7 +95,8 @@ class BFloat16:
         f"BFloat16 rounding must be 'nearest' or 'stochastic', got "
         f"{self.rounding!r}."
       )
-    object.__setattr__(self, "seed", leaves.check_int(self.seed, "seed"))
+    seed = leaves.check_int(self.seed, "BFloat16 seed")
+    object.__setattr__(self, "seed", seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,16 +161,16 @@ class FP8:
 
 StateFormat = Float32 | BFloat16 | Float16 | FP8
 
-_KINDS = (Float32, BFloat16, Float16, FP8)
+FORMATS = (Float32, BFloat16, Float16, FP8)
 ACCEPTED = "jmp_train.state_format.Float32(), BFloat16(), Float16() or FP8(...)"
 
 
 def check(value: Any, name: str) -> StateFormat:
   """`value` if it is a format, else a TypeError naming `name`."""
-  if isinstance(value, _KINDS):
+  if isinstance(value, FORMATS):
     return value
   hint = ""
-  if isinstance(value, type) and issubclass(value, _KINDS):
+  if isinstance(value, type) and issubclass(value, FORMATS):
     hint = f" (a class; pass an instance: {value.__name__}())"
   raise TypeError(f"{name} must be {ACCEPTED}, got {value!r}{hint}.")
 
@@ -193,6 +194,25 @@ def _finite(x: jax.Array) -> jax.Array:
   """`x` with +-inf as the largest finite float32 (NaN kept)."""
   big = jnp.finfo(jnp.float32).max
   return jnp.clip(x.astype(jnp.float32), -big, big)
+
+
+def _absmax(x: jax.Array, axis: Any = None) -> jax.Array:
+  """The largest magnitude, NaN ignored (a NaN keeps its own value NaN and
+  leaves the other values their precision)."""
+  magnitude = jnp.abs(x)
+  return jnp.max(jnp.where(jnp.isnan(magnitude), 0.0, magnitude), axis=axis)
+
+
+def _scale(amax: jax.Array, top: float) -> tuple[jax.Array, jax.Array]:
+  """`(divisor, stored scale)` that put `amax` at `top`.
+
+  The divisor is floored at float32's smallest normal; the stored scale is
+  0 for an all-zero group or leaf (ZeRO-1's padding among them), the bits
+  zero-padding gives it.
+  """
+  nonzero = amax > 0
+  divisor = jnp.maximum(jnp.where(nonzero, amax, 1.0) / top, _TINY)
+  return divisor, jnp.where(nonzero, divisor, 0.0)
 
 
 def _groups(x: jax.Array, size: int) -> jax.Array:
@@ -257,16 +277,14 @@ def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
   fp8_max = float(info.max)
   g = _groups(_finite(x), fmt.group_size)
   magnitude = jnp.abs(g)
-  amax = jnp.max(magnitude, axis=-1)
-  # An all-zero group (ZeRO-1's padding among them) stores scale 0 and
-  # power 0: the bits zero-padding gives it.
-  nonzero = amax > 0
-  safe_amax = jnp.where(nonzero, amax, 1.0)
+  amax = _absmax(g, axis=-1)
   power = None
   if fmt.expand_range:
     # COAT: |x / amax| in (0, 1] raised to k fills [fp8 min normal, 1].
     # An exact power of two first brings amax below 2**64, so that the
     # reciprocal XLA multiplies by stays normal (for an amax up to inf).
+    nonzero = amax > 0
+    safe_amax = jnp.where(nonzero, amax, 1.0)
     shift = jnp.where(safe_amax > 2.0**64, 2.0**-64, 1.0)
     z = (magnitude * shift[..., None]) / (safe_amax * shift)[..., None]
     z_min = jnp.min(jnp.where(z > 0, z, 1.0), axis=-1)
@@ -274,12 +292,12 @@ def _fp8_compress(fmt: FP8, x: jax.Array) -> Scaled:
     power = jnp.where(z_min < 1.0, target / jnp.log(z_min), 1.0)
     y = jnp.sign(g) * jnp.power(z, power[..., None])
     values = jnp.clip(y * fp8_max, -fp8_max, fp8_max)
+    # An all-zero group stores scale 0 and power 0, as zero-padding does.
     power = jnp.where(nonzero, power, 0.0)
     scale = amax  # expand multiplies |y|^(1/k) by it
   else:
-    scale = jnp.maximum(safe_amax / fp8_max, _TINY)
-    values = jnp.clip(g / scale[..., None], -fp8_max, fp8_max)
-    scale = jnp.where(nonzero, scale, 0.0)
+    divisor, scale = _scale(amax, fp8_max)
+    values = jnp.clip(g / divisor[..., None], -fp8_max, fp8_max)
   values = _like(_ungroup(values, x.shape).astype(dtype), x)
   if x.ndim == 0:
     scale, power = scale[0], None if power is None else power[0]
@@ -307,6 +325,9 @@ def _fp8_expand(fmt: FP8, stored: Scaled) -> jax.Array:
 def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
   """`x` (a float32 or wider state leaf) stored in `fmt`.
 
+  `mixed_precision(state_formats=...)` calls it after each update; call it
+  to see what a format keeps of a value.
+
   Args:
     fmt: the format.
     x: a real floating array.
@@ -314,6 +335,15 @@ def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
 
   Returns:
     An array (`Float32`, `BFloat16`) or a `Scaled` (`Float16`, `FP8`).
+
+  Raises:
+    ValueError: stochastic rounding without a key.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> stored = compress(FP8(group_size=4), jnp.arange(8.0))
+    >>> stored.values.shape, stored.scale.shape
+    ((8,), (2,))
   """
   if isinstance(fmt, Float32):
     return x.astype(jnp.float32)
@@ -325,167 +355,34 @@ def compress(fmt: StateFormat, x: jax.Array, key: Any = None) -> Any:
     return x.astype(jnp.bfloat16)
   if isinstance(fmt, Float16):
     wide = _finite(x)
-    amax = jnp.max(jnp.abs(wide)) if wide.size else jnp.float32(0)
-    safe = jnp.maximum(jnp.where(amax > 0, amax, 1.0) / _FLOAT16_RANGE, _TINY)
-    scale = jnp.where(amax > 0, safe, 0.0)  # 0 for an all-zero leaf
-    return Scaled((wide / safe).astype(jnp.float16), scale.astype(jnp.float32))
+    amax = _absmax(wide) if wide.size else jnp.float32(0)
+    divisor, scale = _scale(amax, _FLOAT16_RANGE)
+    return Scaled((wide / divisor).astype(jnp.float16), scale)
   return _fp8_compress(fmt, x)
 
 
 def expand(fmt: StateFormat, stored: Any, dtype: Any = jnp.float32) -> Any:
-  """The float value of a leaf `compress` stored, in `dtype`."""
+  """The value of a leaf that `compress(fmt, ...)` stored.
+
+  Read a stored state field with it, e.g. Adam's first moment of param `w`:
+  `expand(fmt, opt_state.inner_state[0].mu["w"])`.
+
+  Args:
+    fmt: the format it was stored in.
+    stored: what `compress` returned.
+    dtype: the dtype to return (float32 by default).
+
+  Returns:
+    An array of `dtype`, shaped like the value that was stored.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([3.0, -0.0625, 0.0])
+    >>> [round(v, 4) for v in expand(Float16(), compress(Float16(), x)).tolist()]
+    [3.0, -0.0625, 0.0]
+  """
   if isinstance(fmt, (Float32, BFloat16)):
     return stored.astype(dtype)
   if isinstance(fmt, Float16):
     return (stored.values.astype(jnp.float32) * stored.scale).astype(dtype)
   return _fp8_expand(fmt, stored).astype(dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Keep:
-  """The format-tree entry of a state leaf kept as the optimizer made it."""
-
-
-KEEP = _Keep()
-
-
-def check_formats(value: Any) -> Any:
-  """`state_formats` validated: None, one format, or a dict of them by name."""
-  if value is None or isinstance(value, _KINDS):
-    return value
-  if isinstance(value, dict):
-    for name, fmt in value.items():
-      if not isinstance(name, str):
-        raise TypeError(
-          f"state_formats keys must be state field names (str, e.g. 'mu'), "
-          f"got {name!r}."
-        )
-      check(fmt, f"state_formats[{name!r}]")
-    return dict(value)
-  raise TypeError(
-    "state_formats must be None, one format for every state field that "
-    "holds one value per param, or a dict from field name to format (e.g. "
-    f"{{'mu': FP8(), 'nu': BFloat16()}}) with formats {ACCEPTED}; got "
-    f"{value!r}."
-  )
-
-
-def _mirrors(value: Any, view: Any) -> bool:
-  """Whether `value` holds one array per param, shaped like it."""
-  if jax.tree.structure(value) != jax.tree.structure(view):
-    return False
-  return all(
-    tuple(np.shape(v)) == tuple(np.shape(p))
-    for v, p in zip(jax.tree.leaves(value), jax.tree.leaves(view), strict=True)
-  )
-
-
-def leaf_formats(formats: Any, state: Any, view: Any) -> Any:
-  """One format (or `KEEP`) per leaf of the inner optimizer's `state`.
-
-  A state field is a field of a NamedTuple state (optax's states, found
-  inside chains, named chains, `inject_hyperparams` and `MultiSteps`);
-  it mirrors the params when it holds one array per param of `view` (the
-  params as the inner optimizer sees them), shaped like it. One format
-  applies to every float leaf of every mirroring field; a dict applies to
-  the fields it names.
-
-  Raises:
-    ValueError: for a name that is not a mirroring field of `state`, or a
-      named field holding a leaf that is not a real float.
-  """
-  named = formats if isinstance(formats, dict) else {}
-  mirroring, other = set(), set()
-
-  def field(name, value, where):
-    if _mirrors(value, view):
-      mirroring.add(name)
-      fmt = formats if not isinstance(formats, dict) else named.get(name)
-      if fmt is None:
-        return jax.tree.map(lambda _: KEEP, value)
-
-      def leaf(path, x):
-        if leaves.is_real_float(x):
-          return fmt
-        if isinstance(formats, dict):
-          raise ValueError(
-            f"state_formats[{name!r}] is {fmt!r}, but state leaf "
-            f"{leaves.keystr(where + path)!r} is {np.dtype(x.dtype).name}: "
-            "formats store real float leaves (bfloat16 to float64) only."
-          )
-        return KEEP
-
-      return jax.tree_util.tree_map_with_path(leaf, value)
-    other.add(name)
-    return visit(value, where)
-
-  def visit(node, where=()):
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-      return type(node)(
-        *[
-          field(n, v, (*where, jax.tree_util.GetAttrKey(n)))
-          for n, v in zip(node._fields, node, strict=True)
-        ]
-      )
-    if isinstance(node, (tuple, list)):
-      return type(node)(
-        visit(v, (*where, jax.tree_util.SequenceKey(i)))
-        for i, v in enumerate(node)
-      )
-    if isinstance(node, dict):
-      return {
-        k: visit(v, (*where, jax.tree_util.DictKey(k))) for k, v in node.items()
-      }
-    return jax.tree.map(lambda _: KEEP, node)
-
-  tree = visit(state)
-  for name in named:
-    if name in mirroring:
-      continue
-    found = ", ".join(sorted(mirroring)) or "none"
-    if name in other:
-      raise ValueError(
-        f"state_formats names {name!r}, a field of the inner optimizer's "
-        "state that does not hold one value per param, so it has no "
-        f"stored format. Fields that do: {found}."
-      )
-    raise ValueError(
-      f"state_formats names {name!r}, which is no field of the inner "
-      f"optimizer's state. Fields that hold one value per param: {found}."
-    )
-  return tree
-
-
-def _key(fmt: Any, steps: jax.Array, index: int) -> Any:
-  if not (isinstance(fmt, BFloat16) and fmt.rounding == "stochastic"):
-    return None
-  key = jax.random.fold_in(jax.random.key(fmt.seed), steps)
-  return jax.random.fold_in(key, index)
-
-
-def compress_state(formats: Any, state: Any, steps: jax.Array) -> Any:
-  """`state` with each leaf stored in its format (`leaf_formats`).
-
-  Stochastic rounding draws from the format's seed, `steps` and the leaf's
-  position, so a resumed run draws the same bits.
-  """
-  flat, treedef = jax.tree.flatten(formats)
-  values = treedef.flatten_up_to(state)
-  out = [
-    x if fmt is KEEP else compress(fmt, x, _key(fmt, steps, i))
-    for i, (fmt, x) in enumerate(zip(flat, values, strict=True))
-  ]
-  return jax.tree.unflatten(treedef, out)
-
-
-def expand_state(formats: Any, stored: Any, native: Any) -> Any:
-  """The inner optimizer's state from `stored`, each leaf in the dtype of
-  `native` (its abstract state, `jax.eval_shape(inner.init, view)`)."""
-  flat, treedef = jax.tree.flatten(formats)
-  values = treedef.flatten_up_to(stored)
-  types = treedef.flatten_up_to(native)
-  out = [
-    x if fmt is KEEP else expand(fmt, x, t.dtype)
-    for fmt, x, t in zip(flat, values, types, strict=True)
-  ]
-  return jax.tree.unflatten(treedef, out)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import leaves, state_format
+from jmp_train._src import leaves, state_storage
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src.optimizer_state import MixedPrecisionState, find_state
@@ -218,36 +218,31 @@ def mixed_precision(
     )
   scaler0 = as_loss_scale(loss_scale)
   rule = param_update_lib.check(param_update)
-  formats = state_format.check_formats(state_formats)
+  formats = state_storage.check_formats(state_formats)
   inner = optax.with_extra_args_support(inner)
 
-  def stored_state(native, view, steps):
-    if formats is None:
-      return native
-    tree = state_format.leaf_formats(formats, native, view)
-    return state_format.compress_state(tree, native, steps)
-
-  def native_state(stored, view):
-    if formats is None:
-      return stored
-    native = jax.eval_shape(inner.init, view)
-    tree = state_format.leaf_formats(formats, native, view)
-    return state_format.expand_state(tree, stored, native)
+  def formats_of(native, view):
+    return state_storage.leaf_formats(formats, native, view)
 
   def init(params: optax.Params) -> MixedPrecisionState:
     params = _checked_leaves(params, "params")
     masters = param_update_lib.init_masters(rule, params)
     view = _full_view(params, masters)
-    if formats is not None:
+    steps = jnp.zeros([], jnp.int32)
+    if formats is None:
+      inner_state = inner.init(view)
+    else:
       # Stored leaves replace arrays; inside an nnx.Param (nnx.Optimizer's
       # init) nnx would later refill the Param with a dict of them.
       view = leaves.without_variables(view)
-    steps = jnp.zeros([], jnp.int32)
+      native = inner.init(view)
+      tree = formats_of(native, view)
+      inner_state = state_storage.compress_state(tree, native, steps)
     return MixedPrecisionState(
       loss_scaler=scaler0,
       master_params=masters,
-      inner_state=stored_state(inner.init(view), view, steps),
-      steps=jnp.zeros([], jnp.int32),
+      inner_state=inner_state,
+      steps=steps,
       skipped_steps=jnp.zeros([], jnp.int32),
       last_step_finite=jnp.ones([], jnp.bool_),
       grad_norm=jnp.zeros([], jnp.float32),
@@ -283,10 +278,20 @@ def mixed_precision(
     def apply_inner(operand):
       grads_full, inner_state, masters, params = operand
       view = _full_view(params, masters)
-      inner_updates, inner_state = inner.update(
-        grads_full, native_state(inner_state, view), view, **extra_args
-      )
-      inner_state = stored_state(inner_state, view, state.steps + 1)
+      if formats is None:
+        inner_updates, inner_state = inner.update(
+          grads_full, inner_state, view, **extra_args
+        )
+      else:
+        native = jax.eval_shape(inner.init, view)
+        tree = formats_of(native, view)
+        expanded = state_storage.expand_state(tree, inner_state, native)
+        inner_updates, new = inner.update(
+          grads_full, expanded, view, **extra_args
+        )
+        inner_state = state_storage.compress_state(
+          tree, new, state.steps, previous=(inner_state, expanded)
+        )
       # An (update, master) pair per leaf, then the two trees.
       pairs = jax.tree.map(
         functools.partial(param_update_lib.apply, rule),

@@ -1,0 +1,254 @@
+"""Which optimizer-state fields `mixed_precision` stores in which format.
+
+`mixed_precision(inner, state_formats=...)` takes None, one format, or a
+dict from state field name to format (`state_format.py` has the formats). A
+state field is a field of a NamedTuple state of `inner` (optax's states,
+found inside chains, named chains, `inject_hyperparams`, `MultiSteps`,
+`masked` and `multi_transform`); it *mirrors the params* when it holds one
+array per param, shaped like it (`optax.MaskedNode()` where a param is
+masked out).
+
+* A dict stores the fields it names, and only those; a name that is no
+  mirroring field is refused.
+* One format stores the *moments*, the mirroring fields named in
+  `MOMENT_FIELDS` (Adam's `mu` and `nu`, momentum's `trace`, ...). Other
+  mirroring fields can be copies of the params themselves (schedule-free's
+  `z`, Prodigy's `params0`) or accumulated gradients (`MultiSteps`'
+  `acc_grads`): name them in a dict to store them below float32.
+
+`leaf_formats` gives one format (or `KEEP`) per leaf of the inner state;
+`compress_state` and `expand_state` apply it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_train._src import leaves, rounding
+from jmp_train._src import state_format as sf
+
+# The moment fields of optax's optimizers: Adam/AdamW/Lion/AMSGrad/RMSProp/
+# Adadelta/Novograd/Belief (mu, nu, nu_max, e_g, e_x), momentum (trace) and
+# EMAs (ema).
+MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "ema", "e_g", "e_x")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keep:
+  """The format-tree entry of a state leaf kept as the optimizer made it."""
+
+
+KEEP = _Keep()
+
+
+def check_formats(value: Any, name: str = "state_formats") -> Any:
+  """`state_formats` validated: None, one format, or a mapping by field name
+  (returned as a dict)."""
+  if value is None or isinstance(value, sf.FORMATS):
+    return value
+  if isinstance(value, type) and issubclass(value, sf.FORMATS):
+    raise TypeError(
+      f"{name} must be a format instance, got the class {value.__name__}; "
+      f"pass {value.__name__}()."
+    )
+  if isinstance(value, Mapping):
+    for field, fmt in value.items():
+      if not isinstance(field, str):
+        raise TypeError(
+          f"{name} keys must be state field names (str, e.g. 'mu'), got "
+          f"{field!r}."
+        )
+      sf.check(fmt, f"{name}[{field!r}]")
+    return dict(value)
+  raise TypeError(
+    f"{name} must be None, one format for the optimizer's moments, or a "
+    "dict from state field name to format (e.g. {'mu': FP8(), 'nu': "
+    f"BFloat16()}}) with formats {sf.ACCEPTED}; got {value!r}."
+  )
+
+
+def _mirrors(value: Any, view: Any) -> bool:
+  """Whether `value` holds one array per param of `view`, shaped like it,
+  or a masked-out hole."""
+  flat_value, tree_value = jax.tree.flatten(value, is_leaf=_is_stored_leaf)
+  flat_view, tree_view = jax.tree.flatten(view, is_leaf=leaves.is_masked)
+  if tree_value != tree_view:
+    return False
+
+  def shape(v):
+    return np.shape(v.values if isinstance(v, sf.Scaled) else v)
+
+  return all(
+    leaves.is_masked(v)
+    or (hasattr(v, "shape") or isinstance(v, sf.Scaled))
+    and tuple(shape(v)) == tuple(np.shape(p))
+    for v, p in zip(flat_value, flat_view, strict=True)
+  )
+
+
+def _is_stored_leaf(x: Any) -> bool:
+  """A masked-out hole, or one leaf stored with its scales."""
+  return leaves.is_masked(x) or isinstance(x, sf.Scaled)
+
+
+def mirroring_leaves(state: Any, view: Any) -> list[tuple[str, Any]]:
+  """`(path, leaf)` of every float leaf in a field of `state` that mirrors
+  `view`, stored or not."""
+  tree = leaf_formats(sf.Float32(), state, view, fields=None)
+  paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+  stored = jax.tree.structure(tree).flatten_up_to(state)
+  return [
+    (leaves.keystr(path), x)
+    for (path, fmt), x in zip(paths, stored, strict=True)
+    if fmt is not KEEP
+  ]
+
+
+def leaf_formats(
+  formats: Any, state: Any, view: Any, *, fields: Any = MOMENT_FIELDS
+) -> Any:
+  """One format (or `KEEP`) per leaf of the inner optimizer's `state`.
+
+  Args:
+    formats: None, one format, or a dict from field name to format.
+    state: the inner optimizer's state (arrays or `ShapeDtypeStruct`s).
+    view: the params as the inner optimizer sees them.
+    fields: the fields one format stores (None: every mirroring field).
+
+  Raises:
+    ValueError: for a name that is not a mirroring field of `state`, a
+      named field holding a leaf that is not a real float, or one format
+      that finds no field to store.
+  """
+  if formats is None:
+    return jax.tree.map(lambda _: KEEP, state)
+  named = formats if isinstance(formats, dict) else {}
+  mirroring, other = set(), set()
+
+  def field(name, value, where):
+    if not _mirrors(value, view):
+      other.add(name)
+      return visit(value, where)
+    mirroring.add(name)
+    if isinstance(formats, dict):
+      fmt = named.get(name)
+    else:
+      fmt = formats if fields is None or name in fields else None
+    if fmt is None:
+      return jax.tree.map(lambda _: KEEP, value)
+
+    def leaf(path, x):
+      if isinstance(x, sf.Scaled) or leaves.is_real_float(x):
+        return fmt
+      if isinstance(formats, dict):
+        raise ValueError(
+          f"state_formats[{name!r}] is {fmt!r}, but state leaf "
+          f"{leaves.keystr(where + path)!r} is {np.dtype(x.dtype).name}: "
+          "formats store real float leaves (bfloat16 to float64) only."
+        )
+      return KEEP
+
+    return jax.tree_util.tree_map_with_path(
+      leaf, value, is_leaf=lambda x: isinstance(x, sf.Scaled)
+    )
+
+  def visit(node, where=()):
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      return type(node)(
+        *[
+          field(n, v, (*where, jax.tree_util.GetAttrKey(n)))
+          for n, v in zip(node._fields, node, strict=True)
+        ]
+      )
+    if isinstance(node, (tuple, list)):
+      return type(node)(
+        visit(v, (*where, jax.tree_util.SequenceKey(i)))
+        for i, v in enumerate(node)
+      )
+    if isinstance(node, dict):
+      return {
+        k: visit(v, (*where, jax.tree_util.DictKey(k))) for k, v in node.items()
+      }
+    return jax.tree.map(lambda _: KEEP, node)
+
+  tree = visit(state)
+  found = ", ".join(sorted(mirroring)) or "none"
+  for name in named:
+    if name in mirroring:
+      continue
+    if name in other:
+      raise ValueError(
+        f"state_formats names {name!r}, a field of the inner optimizer's "
+        "state that does not hold one value per param, so it has no "
+        f"stored format. Fields that do: {found}."
+      )
+    raise ValueError(
+      f"state_formats names {name!r}, which is no field of the inner "
+      f"optimizer's state. Fields that hold one value per param: {found}."
+    )
+  if not named and fields is not None and not (mirroring & set(fields)):
+    raise ValueError(
+      f"state_formats={formats!r} stores the optimizer's moments (fields "
+      f"{', '.join(fields)}), and the inner optimizer's state has none. "
+      f"Fields that hold one value per param: {found}; name them in a dict "
+      "to store them below float32, or pass state_formats=None."
+    )
+  return tree
+
+
+def compress_state(
+  formats: Any, state: Any, steps: jax.Array, previous: Any = None
+) -> Any:
+  """`state` with each leaf stored in its format (`leaf_formats`).
+
+  Stochastic rounding draws from the format's seed, `steps` and the leaf's
+  position, so a resumed run draws the same bits. With `previous` (the
+  stored state and its expansion before the update), a leaf whose value the
+  update left unchanged keeps its stored bits: storing an expanded value
+  again need not give the same bits (a scale can move by an ulp), and
+  `MultiSteps`' mini-steps must not move the moments.
+  """
+  flat, treedef = jax.tree.flatten(formats)
+  values = treedef.flatten_up_to(state)
+  if previous is None:
+    old = [None] * len(flat)
+  else:
+    old = zip(*(treedef.flatten_up_to(t) for t in previous), strict=True)
+
+  def store(index, fmt, x, before):
+    if fmt is KEEP:
+      return x
+    key = None
+    if isinstance(fmt, sf.BFloat16) and fmt.rounding == "stochastic":
+      key = rounding.leaf_key(fmt.seed, rounding.STATE_STREAM, steps, index)
+    new = sf.compress(fmt, x, key)
+    if before is None:
+      return new
+    stored, expanded = before
+    same = jnp.all(x == expanded)
+    return jax.tree.map(lambda a, b: jnp.where(same, a, b), stored, new)
+
+  out = [
+    store(i, fmt, x, before)
+    for i, (fmt, x, before) in enumerate(zip(flat, values, old, strict=True))
+  ]
+  return jax.tree.unflatten(treedef, out)
+
+
+def expand_state(formats: Any, stored: Any, native: Any) -> Any:
+  """The inner optimizer's state from `stored`, each leaf in the dtype of
+  `native` (its abstract state, `jax.eval_shape(inner.init, view)`)."""
+  flat, treedef = jax.tree.flatten(formats)
+  values = treedef.flatten_up_to(stored)
+  types = treedef.flatten_up_to(native)
+  out = [
+    x if fmt is KEEP else sf.expand(fmt, x, t.dtype)
+    for fmt, x, t in zip(flat, values, types, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, out)
