@@ -23,7 +23,30 @@ _TARGETS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _WIDE = (np.dtype(jnp.float32), np.dtype(jnp.float64))
 
 
+def _round_to_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
+  """float32 `x` rounded stochastically to bfloat16, on its bits.
+
+  bfloat16 is the top half of a float32, and within a binade a float32's
+  bits grow linearly with its magnitude: adding 16 uniform random bits to
+  the low half and cutting it off rounds the magnitude up with probability
+  `low half / 2**16 = (|x| - |lo|) / (|hi| - |lo|)`, the rule. One add and
+  one mask per value (torchao's trick), instead of finding both neighbours.
+  """
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
+  mask = jnp.uint32(0xFFFF0000)
+  up = jax.lax.bitcast_convert_type((bits + noise) & mask, jnp.float32)
+  # inf/NaN (whose payload the add could change), values that would round
+  # up past bfloat16's largest finite value, and float32 subnormals (which
+  # CPU and GPU arithmetic flushes to zero) round to nearest, as a cast does.
+  plain = ~jnp.isfinite(x) | ~jnp.isfinite(up)
+  plain |= jnp.abs(x) < jnp.finfo(jnp.float32).tiny
+  return jnp.where(plain, x.astype(jnp.bfloat16), up.astype(jnp.bfloat16))
+
+
 def _round_leaf(x: jax.Array, dtype: np.dtype, key: jax.Array) -> jax.Array:
+  if x.dtype == jnp.float32 and dtype == jnp.bfloat16:
+    return _round_to_bfloat16(x, key)
   wide = x.dtype
   nearest = x.astype(dtype)
   near = nearest.astype(wide)
