@@ -1,6 +1,6 @@
 """Runs every benchmark and writes BENCHMARKS.md from their results.
 
-  python benchmarks/suite.py            # all of them (about 7 min on 2 cores)
+  python benchmarks/suite.py            # all (about 20 min on 2 cores)
   python benchmarks/suite.py --quick    # tiny configs: checks the pipeline
   python benchmarks/suite.py --render   # rewrite the page from saved JSON
   python benchmarks/suite.py --only overhead-64,compile
@@ -54,6 +54,10 @@ CPU_JOBS = {
   "fp8": "fp8.py --accuracy",
   "gpt": "gpt_compare.py --chart docs/gpt-compare.png",
   "multihost": "multihost.py",
+  "lean-memory": "lean_state.py memory",
+  "lean-gpt": "lean_state.py gpt --steps 400 --chart docs/lean-state.png",
+  "lean-digits": "lean_state.py digits --epochs 30",
+  "lean-speed": "lean_state.py speed",  # last: timings want a quiet machine
 }
 GPU_JOBS = {
   "gpt2": "gpt2.py",
@@ -82,6 +86,14 @@ CPU_QUICK = {
   " --eval-every 3 --text-bytes 100000",
   "multihost": "multihost.py --layers 1 --d-model 32 --seq-len 16 --batch 8"
   " --steps 2 --warmup 1 --rounds 1",
+  "lean-memory": "lean_state.py memory --presets bf16-true,bf16-remainders"
+  " --layers 1 --d-model 32 --vocab 64 --seq 8",
+  "lean-gpt": "lean_state.py gpt --presets bf16-true,bf16-sr-coat --steps 6"
+  " --layers 1 --d-model 32 --seq-len 16 --eval-every 3 --text-bytes 100000",
+  "lean-digits": "lean_state.py digits --presets bf16-true,bf16-sr-coat"
+  " --epochs 1 --max-steps 3",
+  "lean-speed": "lean_state.py speed --presets bf16-true,bf16-lean,bf16-sr-coat"
+  " --layers 1 --d-model 32 --heads 4 --vocab 64 --seq 8 --calls 3 --rounds 2",
 }
 GPU_QUICK = {
   "gpt2": "gpt2.py --tiny --rounds 1",

@@ -17,6 +17,7 @@ import compile_time
 import fp8
 import gpt2
 import gpt_compare
+import lean_state
 import overhead
 import suite
 import zero1
@@ -235,3 +236,37 @@ def test_gpt_compare_saves_the_runs_without_history(tmp_path, monkeypatch):
   assert [r["preset"] for r in saved["runs"]] == gpt_compare.PRESETS.split(",")
   assert all("history" not in r for r in saved["runs"])
   assert (tmp_path / "c.png").read_bytes() == b"png"
+
+
+def test_lean_state_verdicts_follow_the_numbers():
+  results, _, _ = saved_results()
+  gpt = results["lean-gpt"]
+  base = gpt["runs"][0]["final_val_loss"]
+
+  def with_loss(preset, loss):
+    runs = [
+      dict(r, final_val_loss=loss) if r["preset"] == preset else r
+      for r in gpt["runs"]
+    ]
+    return lean_state.quality_table({"lean-gpt": dict(gpt, runs=runs)})
+
+  def row_verdict(text, preset):
+    (row,) = [r for r in text.split("\n") if r.startswith(f"| {preset} |")]
+    return re.search(r"\*\*(met|not met)\*\*", row)[1]
+
+  # bf16 moments: within 0.01; FP8 moments: within 0.02, either side.
+  for loss, want in ((base + 0.009, "met"), (base + 0.011, "not met")):
+    assert row_verdict(with_loss("bf16-lean", loss), "bf16-lean") == want
+  for loss, want in ((base - 0.019, "met"), (base + 0.021, "not met")):
+    assert row_verdict(with_loss("bf16-sr-coat", loss), "bf16-sr-coat") == want
+  memory = results["lean-memory"]
+  text = lean_state.memory_table({"lean-memory": memory})
+  assert verdict(text, "bf16-remainders at 14 B/param") == "met"
+  rows = [
+    dict(r, total=r["total"] + 0.02 * memory["n_params"])
+    if r["preset"] == "bf16-remainders"
+    else r
+    for r in memory["rows"]
+  ]
+  text = lean_state.memory_table({"lean-memory": dict(memory, rows=rows)})
+  assert verdict(text, "bf16-remainders at 14 B/param") == "not met"

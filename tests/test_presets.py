@@ -184,7 +184,12 @@ LEAN = {
   "bf16-fp8-adam": (jmp_train.ParamRemainders(), 2, _FP8, 2),
   "bf16-sr-lean": (jmp_train.StochasticRounding(seed=0), 0, 2, 2),
   "bf16-sr-fp8-adam": (jmp_train.StochasticRounding(seed=0), 0, _FP8, 2),
-  "bf16-sr-coat": (jmp_train.StochasticRounding(seed=0), 0, _FP8, _FP8 + 4 / 128),
+  "bf16-sr-coat": (
+    jmp_train.StochasticRounding(seed=0),
+    0,
+    _FP8,
+    _FP8 + 4 / 128,
+  ),
 }
 
 
