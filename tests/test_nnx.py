@@ -602,13 +602,17 @@ def test_nnx_optimizer_keeps_stored_state_formats_across_jitted_steps():
     optimizer.update(model, nnx.grad(loss)(model))
 
   graphdef = nnx.graphdef(model)
+
+  @jax.jit
+  def functional(params, opt_state):
+    grads = nnx.grad(loss)(nnx.merge(graphdef, params))
+    grads = nnx.as_pure(nnx.state(grads, nnx.Param))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
   for _ in range(3):
     step(model, optimizer)
-    grads = nnx.as_pure(
-      nnx.state(nnx.grad(loss)(nnx.merge(graphdef, params)), nnx.Param)
-    )
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    params, opt_state = functional(params, opt_state)
   mu = nnx.as_pure(optimizer.opt_state).inner_state[0].mu["kernel"]
   assert mu.values.dtype == jnp.float8_e4m3fn and mu.scale.shape == (8, 1)
   for a, b in zip(
