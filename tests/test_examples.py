@@ -13,7 +13,9 @@ def load(relpath):
   return runpy.run_path(str(ROOT / relpath), run_name="not_main")
 
 
-@pytest.mark.parametrize("preset", ["fp16-mixed", "bf16-true"])
+# fp16-mixed, as `make train` runs it (the lean-state benchmark runs every
+# bf16 preset through this example).
+@pytest.mark.parametrize("preset", ["fp16-mixed"])
 def test_digits_example_trains_and_writes_outputs(tmp_path, preset):
   main = load("examples/digits.py")["main"]
   summary = main(
