@@ -136,14 +136,6 @@ def _mesh(n):
   )
 
 
-def _loss_fn(model):
-  def loss_fn(params, batch, model_state, key):
-    logits = model.apply({"params": params}, batch[:, :-1])
-    return gpt_model.cross_entropy(logits, batch[:, 1:])
-
-  return loss_fn
-
-
 def measure_memory(args, presets):
   model = gpt_model.GPT(
     args.layers, args.d_model, args.heads, args.seq, args.vocab, tied=True
@@ -154,7 +146,7 @@ def measure_memory(args, presets):
   for name in presets:
     preset = jmp_train.get_preset(name)
     tx = preset.mixed_precision(optax.adamw(1e-3))
-    loss_fn = _loss_fn(jmp_train.linen.wrap(model, preset.policy))
+    loss_fn = gpt_model.step_loss(jmp_train.linen.wrap(model, preset.policy))
     state = jax.eval_shape(
       lambda p, tx=tx: train.TrainState.create(params=p, tx=tx), params
     )

@@ -47,21 +47,13 @@ def _mesh(n):
   )
 
 
-def _loss_fn(model):
-  def loss_fn(params, batch, model_state, key):
-    logits = model.apply({"params": params}, batch[:, :-1])
-    return gpt_model.cross_entropy(logits, batch[:, 1:])
-
-  return loss_fn
-
-
 def memory_rows(model, batch_size):
   """Bytes per param per device under the bf16-true preset, N = 1 .. 8."""
   preset = jmp_train.get_preset("bf16-true")
   params = gpt_model.init_shapes(model, dtype=jnp.bfloat16)
   n_params = sum(p.size for p in jax.tree.leaves(params))
   tx = preset.mixed_precision(optax.adam(1e-3))
-  loss_fn = _loss_fn(jmp_train.linen.wrap(model, preset.policy))
+  loss_fn = gpt_model.step_loss(jmp_train.linen.wrap(model, preset.policy))
   state = jax.eval_shape(
     lambda p: train.TrainState.create(params=p, tx=tx), params
   )
@@ -97,7 +89,7 @@ def step_pair(model, batch_size, rounds):
   )
   params = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
   tx = jmp_train.mixed_precision(optax.adam(1e-3))
-  loss_fn = _loss_fn(model)
+  loss_fn = gpt_model.step_loss(model)
   steps, states, coll = {}, {}, {}
   for stage in (0, 1):
     plan = zero1.make_plan(tx, params, _mesh(DEVICES), zero_stage=stage)

@@ -101,6 +101,19 @@ def cross_entropy(logits, targets):
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def step_loss(model: GPT):
+  """`loss_fn(params, batch, model_state, key)` for
+  `jmp_train.train.make_train_step`: the next-token cross-entropy of `batch`,
+  token rows one longer than the context."""
+
+  def loss_fn(params, batch, model_state, key):
+    del model_state, key
+    logits = model.apply({"params": params}, batch[:, :-1])
+    return cross_entropy(logits, batch[:, 1:])
+
+  return loss_fn
+
+
 def init_shapes(model: GPT, dtype=jnp.float32) -> dict:
   """The params of `model` as `jax.ShapeDtypeStruct`s (nothing allocated)."""
   tokens = jax.ShapeDtypeStruct((1, model.seq_len), jnp.int32)
