@@ -161,3 +161,19 @@ def test_stochastic_rounding_takes_its_seed_and_nothing_else():
     )
   with pytest.raises(TypeError, match="stochastic_rounding"):  # old keyword
     jmp_train.mixed_precision(optax.sgd(1.0), stochastic_rounding=True)
+
+
+def test_bfloat16_beyond_its_largest_value_rounds_as_a_cast_does():
+  # Between bfloat16's largest value and float32's, the upper neighbour is
+  # inf: the values round to nearest, never up to inf at random.
+  big = float(ml_dtypes.finfo(jnp.bfloat16).max)
+  x = jnp.asarray([big * 1.001, -big * 1.003, 3.3995e38] * 1000, jnp.float32)
+  y = jmp_train.cast_stochastic(x, jnp.bfloat16, jax.random.key(0))
+  np.testing.assert_array_equal(y, x.astype(jnp.bfloat16))
+
+
+def test_seeds_beyond_what_jax_takes_are_refused_by_name():
+  with pytest.raises(ValueError, match=r"StochasticRounding seed .*2\*\*63"):
+    jmp_train.StochasticRounding(seed=2**63)
+  with pytest.raises(ValueError, match=r"BFloat16 seed .*2\*\*63"):
+    jmp_train.state_format.BFloat16("stochastic", seed=2**64)

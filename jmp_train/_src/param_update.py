@@ -93,7 +93,9 @@ class ParamRemainders:
   `MasterWeights()` run and down here.
 
   For bfloat16 params only: `init` refuses a float16 param (float16 is not
-  the top half of a float32).
+  the top half of a float32). A master beyond bfloat16's largest value
+  makes the param inf, as `MasterWeights()` does, and its remainder cannot
+  hold the master's bits.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_train
@@ -163,7 +165,7 @@ class StochasticRounding:
   def __post_init__(self):
     # A plain settings value (not a pytree), so this runs only when a user
     # builds one.
-    seed = leaves.check_int(self.seed, "StochasticRounding seed")
+    seed = rounding.check_seed(self.seed, "StochasticRounding seed")
     object.__setattr__(self, "seed", seed)
 
 

@@ -36,10 +36,11 @@ def _round_to_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
   noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
   mask = jnp.uint32(0xFFFF0000)
   up = jax.lax.bitcast_convert_type((bits + noise) & mask, jnp.float32)
-  # inf/NaN (whose payload the add could change), values that would round
-  # up past bfloat16's largest finite value, and float32 subnormals (which
-  # CPU and GPU arithmetic flushes to zero) round to nearest, as a cast does.
-  plain = ~jnp.isfinite(x) | ~jnp.isfinite(up)
+  # inf/NaN (whose payload the add could change), values beyond bfloat16's
+  # largest finite value (whose upper neighbour is inf), and float32
+  # subnormals (which CPU and GPU arithmetic flushes to zero) round to
+  # nearest, as a cast does.
+  plain = ~jnp.isfinite(x) | (jnp.abs(x) > float(jnp.finfo(jnp.bfloat16).max))
   plain |= jnp.abs(x) < jnp.finfo(jnp.float32).tiny
   return jnp.where(plain, x.astype(jnp.bfloat16), up.astype(jnp.bfloat16))
 
@@ -126,6 +127,15 @@ def cast_stochastic(tree: T, dtype: Any, key: jax.Array) -> T:
 # Streams of random bits, so that two users of one seed never share bits.
 PARAM_STREAM = 0  # `StochasticRounding` params
 STATE_STREAM = 1  # `BFloat16(rounding="stochastic")` optimizer state
+
+
+def check_seed(value: Any, name: str) -> int:
+  """`value` if it is an int in [0, 2**63), which `jax.random.key` takes;
+  else a ValueError naming `name`."""
+  seed = leaves.check_int(value, name)
+  if seed >= 2**63:
+    raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}.")
+  return seed
 
 
 def leaf_key(seed: int, stream: int, steps: Any, index: int) -> jax.Array:

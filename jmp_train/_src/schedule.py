@@ -122,9 +122,11 @@ def adjust_precision(
       raise ValueError(
         "adjust_precision converts params and master weights, not optimizer "
         f"state storage: the state's leaf inner_state/{path} is stored "
-        f"as {_stored_kind(x)}, and a preset's transformation would read it "
-        "as float32. Start a new optimizer state with the new preset's "
-        "transformation, or stay with the current one."
+        f"as {_stored_kind(x)}, by state_formats or by the optimizer's own "
+        "dtype (optax.adam(mu_dtype=...)); the state does not say which, "
+        "and a preset's transformation would read the first as float32. "
+        "Start a new optimizer state with the new preset's transformation, "
+        "or stay with the current one."
       )
   full = _full_values(params, state.master_params)
   if param_dtypes is None:

@@ -95,7 +95,7 @@ class BFloat16:
         f"BFloat16 rounding must be 'nearest' or 'stochastic', got "
         f"{self.rounding!r}."
       )
-    seed = leaves.check_int(self.seed, "BFloat16 seed")
+    seed = rounding.check_seed(self.seed, "BFloat16 seed")
     object.__setattr__(self, "seed", seed)
 
 

@@ -203,12 +203,14 @@ def leaf_formats(
 
 
 def compress_state(
-  formats: Any, state: Any, steps: jax.Array, previous: Any = None
+  formats: Any, state: Any, steps: jax.Array | None, previous: Any = None
 ) -> Any:
   """`state` with each leaf stored in its format (`leaf_formats`).
 
   Stochastic rounding draws from the format's seed, `steps` and the leaf's
-  position, so a resumed run draws the same bits. With `previous` (the
+  position, so a resumed run draws the same bits; with `steps=None` (the
+  initial state) it rounds to nearest instead, so that update 0 draws bits
+  no earlier rounding used. With `previous` (the
   stored state and its expansion before the update), a leaf whose value the
   update left unchanged keeps its stored bits: storing an expanded value
   again need not give the same bits (a scale can move by an ulp), and
@@ -226,7 +228,10 @@ def compress_state(
       return x
     key = None
     if isinstance(fmt, sf.BFloat16) and fmt.rounding == "stochastic":
-      key = rounding.leaf_key(fmt.seed, rounding.STATE_STREAM, steps, index)
+      if steps is None:  # init: round to nearest, leaving step 0's bits
+        fmt = sf.BFloat16()
+      else:
+        key = rounding.leaf_key(fmt.seed, rounding.STATE_STREAM, steps, index)
     new = sf.compress(fmt, x, key)
     if before is None:
       return new

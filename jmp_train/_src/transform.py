@@ -237,7 +237,7 @@ def mixed_precision(
       view = leaves.without_variables(view)
       native = inner.init(view)
       tree = formats_of(native, view)
-      inner_state = state_storage.compress_state(tree, native, steps)
+      inner_state = state_storage.compress_state(tree, native, None)
     return MixedPrecisionState(
       loss_scaler=scaler0,
       master_params=masters,
