@@ -210,11 +210,12 @@ def compress_state(
   Stochastic rounding draws from the format's seed, `steps` and the leaf's
   position, so a resumed run draws the same bits; with `steps=None` (the
   initial state) it rounds to nearest instead, so that update 0 draws bits
-  no earlier rounding used. With `previous` (the
-  stored state and its expansion before the update), a leaf whose value the
-  update left unchanged keeps its stored bits: storing an expanded value
-  again need not give the same bits (a scale can move by an ulp), and
-  `MultiSteps`' mini-steps must not move the moments.
+  no earlier rounding used.
+
+  With `previous` (the stored state and its expansion before the update), a
+  leaf whose value the update left unchanged keeps its stored bits: storing
+  an expanded value again need not give the same bits (a scale can move by
+  an ulp), and `MultiSteps`' mini-steps must not move the moments.
   """
   flat, treedef = jax.tree.flatten(formats)
   values = treedef.flatten_up_to(state)

@@ -175,12 +175,13 @@ def mixed_precision(
       compensation buffer in the param's dtype) keep 2 bytes instead of 4.
       float32 params are their own masters under all of them.
     state_formats: how the inner optimizer's state fields that hold one
-      value per param (Adam's `mu` and `nu`, momentum's `trace`) are
-      stored: None (as the optimizer makes them, float32), one
-      `jmp_train.state_format` format for all of them, or a dict from field
-      name to format, e.g. `{"mu": FP8(), "nu": BFloat16()}`. `inner`
-      computes in float32: stored values are expanded before its update and
-      compressed after it; a skipped step keeps the stored bits.
+      value per param are stored: None (as the optimizer makes them,
+      float32), one `jmp_train.state_format` format for its moments (Adam's
+      `mu` and `nu`, momentum's `trace`: `state_storage.MOMENT_FIELDS`), or
+      a dict from field name to format, e.g. `{"mu": FP8(), "nu":
+      BFloat16()}`. `inner` computes in float32: stored values are expanded
+      before its update and compressed after it; a skipped step keeps the
+      stored bits.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
