@@ -170,7 +170,7 @@ def run_preset(args, preset_name, text, out_dir):
     )
     preset = dataclasses.replace(preset, loss_scale=loss_scale)
   if args.fp8 and preset.fp8 is None:
-    preset = dataclasses.replace(preset, fp8=jmp_train.fp8.Fp8Recipe())
+    preset = dataclasses.replace(preset, fp8=jmp_train.fp8.DEFAULT_RECIPE)
   # Every matmul but the output head in FP8 (with --fp8 or an fp8 preset).
   model = jmp_train.linen.wrap(
     GPT(args.layers, args.d_model, args.heads, args.seq_len),

@@ -1,24 +1,18 @@
-"""FP8 matmuls with Transformer Engine's delayed scaling, for Flax.
+"""FP8 matmuls for Flax: delayed, current and blockwise scaling.
 
-The recipe, scale rule and state (`Fp8Recipe`, `Fp8DotState`, `update`), the
-FP8 matmul (`fp8_dot_general`) and the Flax modules (`Fp8DotGeneral`,
-`Einsum`). The state lives in the "fp8_meta" collection, beside the params;
-a train step differentiates the loss with respect to it and calls `update`
-once per step.
+The recipes and their scale rules (`DelayedScaling`, `CurrentScaling`,
+`BlockwiseScaling`), the per-matmul state and its update (`Fp8DotState`,
+`update`), the FP8 matmuls (`fp8_dot_general`, `block_dot_general`) and the
+Flax modules (`Fp8DotGeneral`, `Einsum`). The state lives in the "fp8_meta"
+collection, beside the params; a train step differentiates the loss with
+respect to it and calls `update` once per step.
 """
 
 from jmp_train._src.fp8 import (
-  AMAX_COMPUTE_ALGOS,
   COLLECTION,
-  E4M3,
-  E5M2,
-  FORMATS,
-  FP8_MAX,
   TENSORS,
   Fp8DotState,
-  Fp8Recipe,
   combined_amax,
-  compute_scale,
   init_state,
   is_fp8_state,
   roll_amax_history,
@@ -26,23 +20,50 @@ from jmp_train._src.fp8 import (
   step_state,
   update,
 )
+from jmp_train._src.fp8_block import block_dot_general
 from jmp_train._src.fp8_dot import fp8_dot_general
 from jmp_train._src.fp8_linen import Einsum, Fp8DotGeneral
+from jmp_train._src.fp8_recipe import (
+  AMAX_COMPUTE_ALGOS,
+  DEFAULT_RECIPE,
+  E4M3,
+  E5M2,
+  FORMATS,
+  FP8_MAX,
+  BlockwiseScaling,
+  CurrentScaling,
+  DelayedScaling,
+  Recipe,
+  current_scale,
+  delayed_scale,
+)
+
+# Earlier names, kept: the delayed recipe and its scale rule.
+Fp8Recipe = DelayedScaling
+compute_scale = delayed_scale
 
 __all__ = [
   "AMAX_COMPUTE_ALGOS",
   "COLLECTION",
+  "DEFAULT_RECIPE",
   "E4M3",
   "E5M2",
   "FORMATS",
   "FP8_MAX",
   "TENSORS",
+  "BlockwiseScaling",
+  "CurrentScaling",
+  "DelayedScaling",
   "Einsum",
   "Fp8DotGeneral",
   "Fp8DotState",
   "Fp8Recipe",
+  "Recipe",
+  "block_dot_general",
   "combined_amax",
   "compute_scale",
+  "current_scale",
+  "delayed_scale",
   "fp8_dot_general",
   "init_state",
   "is_fp8_state",

@@ -42,7 +42,7 @@ class Mlp(nn.Module):
 MODEL = jmp.linen.wrap(
   Mlp(),
   jmp.get_policy("params=bfloat16,compute=bfloat16"),
-  fp8=jmp.fp8.Fp8Recipe(amax_history_len=4),
+  fp8=jmp.fp8.DelayedScaling(amax_history_len=4),
 )
 
 

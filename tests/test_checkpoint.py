@@ -188,7 +188,9 @@ class _Net(nn.Module):
 
 def test_one_device_resume_with_model_state_fp8_and_key_is_bit_exact(tmp_path):
   model = jmp.linen.wrap(
-    _Net(), "p=bf16,c=bf16,o=f32", fp8=jmp.fp8.Fp8Recipe(amax_history_len=4)
+    _Net(),
+    "p=bf16,c=bf16,o=f32",
+    fp8=jmp.fp8.DelayedScaling(amax_history_len=4),
   )
 
   def loss_fn(params, batch, model_state, key):

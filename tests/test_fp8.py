@@ -43,7 +43,7 @@ def _reference_scales(amaxes, fp8_max, margin, algo, history_len):
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_scales_follow_the_float64_reference(fmt, algo):
-  recipe = fp8.Fp8Recipe(
+  recipe = fp8.DelayedScaling(
     format=fmt, margin=1, amax_history_len=4, amax_compute_algo=algo
   )
   # The three tensors see the same amaxes, scaled differently.
@@ -70,7 +70,7 @@ def test_scales_follow_the_float64_reference(fmt, algo):
 
 
 def test_update_never_advances_on_a_skipped_step_or_a_non_finite_amax():
-  recipe = fp8.Fp8Recipe(amax_history_len=3)
+  recipe = fp8.DelayedScaling(amax_history_len=3)
   tree = {"dot": fp8.init_state(recipe, calls=2), "w": jnp.ones(2)}
   grads = {
     "dot": tree["dot"].replace(
@@ -112,7 +112,7 @@ def test_update_never_advances_on_a_skipped_step_or_a_non_finite_amax():
 )
 def test_bad_recipes_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    fp8.Fp8Recipe(**kwargs)
+    fp8.DelayedScaling(**kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -137,7 +137,9 @@ def test_fp8_dot_is_exact_on_fp8_values(dn, lhs_shape, rhs_shape):
   ct = jnp.asarray(rng.integers(-5, 6, y.shape), jnp.float32)
 
   def ours(x, w, amax):
-    out = fp8.fp8_dot_general(x, w, dn, scale=jnp.ones(3), amax=amax)
+    out = fp8.fp8_dot_general(
+      x, w, dn, scale=jnp.ones(3), amax=amax, recipe=fp8.DelayedScaling()
+    )
     return jnp.sum(out * ct), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2), has_aux=True))(
@@ -168,7 +170,7 @@ def test_fp8_dot_matches_numpy_quantization(fmt):
   w = rng.normal(size=(16, 5)).astype(np.float32)
   g = (rng.normal(size=(6, 5)) * 1e-3).astype(np.float32)
   scale = np.array([2.0, 64.0, 2.0**14], np.float32)
-  recipe = fp8.Fp8Recipe(format=fmt)
+  recipe = fp8.DelayedScaling(format=fmt)
   dn = (((1,), (0,)), ((), ()))
 
   out, vjp = jax.vjp(
@@ -227,7 +229,7 @@ class Block(nn.Module):
 
 
 def _wrapped(recipe=None, init=jax.jit, **kwargs):
-  recipe = recipe or fp8.Fp8Recipe(amax_history_len=4)
+  recipe = recipe or fp8.DelayedScaling(amax_history_len=4)
   kwargs.setdefault("fp8_exclude", ("head",))
   model = jmp_train.linen.wrap(
     Block(), "p=f32,c=bf16,o=f32", fp8=recipe, **kwargs
@@ -244,7 +246,7 @@ def _loss(model):
 
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 def test_forward_is_e4m3_and_backward_e5m2_in_the_jaxpr(fmt, operand_dtypes):
-  model, v = _wrapped(fp8.Fp8Recipe(format=fmt, amax_history_len=4))
+  model, v = _wrapped(fp8.DelayedScaling(format=fmt, amax_history_len=4))
   args = (v["params"], v["fp8_meta"], jnp.ones((2, 5)))
   forward = operand_dtypes(_loss(model), *args)
   assert sorted(forward) == sorted(
@@ -284,7 +286,7 @@ def test_wrap_puts_every_matmul_but_the_excluded_ones_in_fp8():
 
 
 def test_a_layer_with_its_own_dot_general_cls_keeps_it():
-  mine = fp8.Fp8Recipe(margin=3, amax_history_len=2)
+  mine = fp8.DelayedScaling(margin=3, amax_history_len=2)
 
   class Model(nn.Module):
     @nn.compact
@@ -297,7 +299,9 @@ def test_a_layer_with_its_own_dot_general_cls_keeps_it():
   v = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 2)))
   states = v["fp8_meta"]
   assert states["Dense_1"]["Fp8DotGeneral_0"]["fp8"].recipe == mine
-  assert states["Dense_0"]["Fp8DotGeneral_0"]["fp8"].recipe == fp8.Fp8Recipe()
+  assert (
+    states["Dense_0"]["Fp8DotGeneral_0"]["fp8"].recipe == fp8.DEFAULT_RECIPE
+  )
 
 
 def test_a_module_called_twice_combines_its_amaxes_by_max():
@@ -334,7 +338,8 @@ def test_a_module_called_twice_combines_its_amaxes_by_max():
 def test_fp8_einsum_module_equals_nn_einsum_on_fp8_values():
   x = jnp.asarray([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]])
   kwargs = dict(shape=(3, 4), einsum_str="bi,io->bo")
-  ours = fp8.Einsum(**kwargs, dot_general_cls=fp8.Fp8DotGeneral)
+  dot = functools.partial(fp8.Fp8DotGeneral, recipe=fp8.DelayedScaling())
+  ours = fp8.Einsum(**kwargs, dot_general_cls=dot)
   v = ours.init(jax.random.key(0), x)
   kernel = jnp.round(v["params"]["kernel"] * 8) / 8  # exact in E4M3
   v = {**v, "params": {**v["params"], "kernel": kernel}}
@@ -344,8 +349,10 @@ def test_fp8_einsum_module_equals_nn_einsum_on_fp8_values():
 
 
 def test_wrap_refuses_bad_fp8_arguments():
-  with pytest.raises(TypeError, match="fp8 must be an Fp8Recipe"):
+  with pytest.raises(ValueError, match="fp8 must be a jmp_train.fp8 recipe"):
     jmp_train.linen.wrap(Block(), "bf16", fp8="hybrid")
+  with pytest.raises(TypeError, match="got 1"):
+    jmp_train.linen.wrap(Block(), "bf16", fp8=1)
   with pytest.raises(TypeError, match="fp8_exclude takes .* got 3"):
     jmp_train.linen.wrap(Block(), "bf16", fp8=True, fp8_exclude=(3,))
 
@@ -360,7 +367,7 @@ def test_update_after_max_over_micro_batches_and_devices_follows_the_rule():
   """2 devices x 2 micro-batches, combined as a train step does: jnp.maximum
   over the gradient trees (from zeros), then lax.pmax; `update` then rolls in
   the max of the amaxes, by the written rule."""
-  recipe = fp8.Fp8Recipe(amax_history_len=3)
+  recipe = fp8.DelayedScaling(amax_history_len=3)
   model = nn.Dense(
     3, dot_general_cls=functools.partial(fp8.Fp8DotGeneral, recipe=recipe)
   )
@@ -507,7 +514,7 @@ def test_scanned_layers_keep_one_fp8_state_per_layer():
       return scan()(x, None)[0]
 
   model = jmp_train.linen.wrap(
-    Deep(), "float32", fp8=fp8.Fp8Recipe(amax_history_len=2)
+    Deep(), "float32", fp8=fp8.DelayedScaling(amax_history_len=2)
   )
   x = jnp.full((2, 8), -2.0)
   v = jax.jit(model.init)(jax.random.key(0), x)

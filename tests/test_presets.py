@@ -72,9 +72,9 @@ def test_preset_contents(name):
   assert preset.param_update == jmp_train.MasterWeights()
   assert (np.dtype(preset.policy.param_dtype).itemsize < 4) is master
   assert preset is jmp_train.get_preset(name)
-  if "fp8" in name:  # NeMo's *_with_fp8_mixed: Transformer Engine's defaults
-    assert preset.fp8 == jmp_train.fp8.Fp8Recipe(
-      format="hybrid", margin=0, amax_history_len=1024, amax_compute_algo="max"
+  if "fp8" in name:  # NeMo's *_with_fp8_mixed, with current scaling
+    assert preset.fp8 == jmp_train.fp8.CurrentScaling(
+      format="hybrid", power_of_two_scales=False
     )
   else:
     assert preset.fp8 is None
@@ -160,7 +160,7 @@ def test_preset_fields_are_checked_when_built_or_replaced():
     "policy": ("bf16", "policy must be a jmp_train.Policy"),
     "loss_scale": ("dynamic", "loss_scale must be"),
     "param_update": (True, "param_update must be .*MasterWeights"),
-    "fp8": ("hybrid", "fp8 must be a jmp_train.fp8.Fp8Recipe"),
+    "fp8": ("hybrid", "fp8 must be a jmp_train.fp8 recipe"),
     "name": (3, "name must be a str"),
   }
   for field, (value, message) in bad.items():

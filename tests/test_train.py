@@ -418,7 +418,7 @@ def test_2d_mesh_data_and_model():
 
 
 def test_fp8_metadata_advances_in_the_state_and_holds_on_a_skipped_step():
-  recipe = jmp_train.fp8.Fp8Recipe(amax_history_len=4)
+  recipe = jmp_train.fp8.DelayedScaling(amax_history_len=4)
   model = jmp_train.linen.wrap(
     nn.Dense(8),
     jmp_train.get_policy("params=float32,compute=bfloat16"),

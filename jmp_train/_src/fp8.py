@@ -1,107 +1,57 @@
-"""FP8 delayed scaling: the recipe, the scale rule and the per-matmul state.
+"""The per-matmul FP8 state and its one update per step, for every recipe.
 
-Transformer Engine's recipe: each FP8 matmul multiplies its input, kernel and
-output gradient by a scale before casting them to FP8 (`fp8_dot.py` does the
-matmul). Each scale is *delayed*: it comes from the amaxes (max |value|) of
-previous steps, kept in a history of `amax_history_len` entries (entry 0 the
-most recent), rolled once per step:
+Each FP8 matmul multiplies its input, kernel and output gradient by scales
+before casting them to FP8 (`fp8_dot.py`, `fp8_block.py`); the recipes and
+their scale rules are in `fp8_recipe.py`. The state of one matmul
+(`Fp8DotState`) lives in the Flax variable collection "fp8_meta", beside
+"params", never inside them (under NNX, in `Fp8Meta` variables).
 
-    amax  = max(history)  if amax_compute_algo == "max"
-            history[0]    if amax_compute_algo == "most_recent"
-    scale = fp8_max / amax / 2**margin    (old scale kept if amax is 0 or
-                                           not finite, or the result is inf)
-
-The first step uses scale 1. The state of one matmul (`Fp8DotState`) lives in
-the Flax variable collection "fp8_meta", beside "params", never inside them.
-This step's amaxes come out of the backward pass as the gradient of
-zero-valued `amax` entries of that state (one per call of the matmul); the
-gradients of `scale` and `amax_history` are zero. A train step therefore:
+This step's amaxes (max |value|) come out of the backward pass as the
+gradient of zero-valued `amax` entries of that state (one per call of the
+matmul); the gradients of `scale` and `amax_history` are zero. A train step
+therefore:
 
     fp8_grads = grad(loss, argnums=fp8_meta)    # beside the params' gradients
     fp8_grads = max over micro-batches, pmax over devices    (amaxes >= 0)
     fp8_meta  = update(fp8_meta, fp8_grads, finite=finite)   (once per step)
 
 `update` is the one place the state changes; it holds it on a skipped step.
+Under `DelayedScaling` it rolls the amaxes into a history of
+`amax_history_len` entries (entry 0 the most recent) and computes the next
+step's scales from it:
+
+    amax  = max(history)  if amax_compute_algo == "max"
+            history[0]    if amax_compute_algo == "most_recent"
+    scale = fp8_max / amax / 2**margin    (old scale kept if amax is 0 or
+                                           not finite, or the result is inf)
+
+The first step uses scale 1. Under `CurrentScaling` and `BlockwiseScaling`
+the matmul computes its scales from the values it casts and the state only
+reports: a one-entry history holding the last applied step's amaxes, and
+the per-tensor scales those amaxes give (for blockwise, the scale of the
+largest tile).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jmp_train._src import loss_scale
+from jmp_train._src.fp8_recipe import (
+  Recipe,
+  current_scale,
+  delayed_scale,
+  is_delayed,
+)
 
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-E5M2 = np.dtype(jnp.float8_e5m2)
-FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
-FORMATS = ("hybrid", "e4m3")
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 COLLECTION = "fp8_meta"
 # The three tensors of one matmul, in the order of `scale` and `amax`.
 TENSORS = ("input", "kernel", "output_grad")
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Recipe:
-  """Delayed-scaling options, as Transformer Engine and NeMo name them.
-
-  Attributes:
-    format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3" (E4M3 for
-      both).
-    margin: the scale is divided by 2**margin (headroom against growth);
-      a non-negative int.
-    amax_history_len: how many steps of amax the scale looks back over.
-    amax_compute_algo: "max" (the largest amax in the history) or
-      "most_recent" (the last step's amax).
-
-  Example:
-    >>> recipe = Fp8Recipe(margin=1, amax_history_len=16)
-    >>> recipe.fp8_max
-    (448.0, 448.0, 57344.0)
-  """
-
-  format: str = "hybrid"
-  margin: int = 0
-  amax_history_len: int = 1024
-  amax_compute_algo: str = "max"
-
-  def __post_init__(self):
-    if self.format not in FORMATS:
-      raise ValueError(
-        f"Unknown FP8 format {self.format!r}: accepted formats are "
-        f"{', '.join(map(repr, FORMATS))}."
-      )
-    if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-      raise ValueError(
-        f"Unknown amax_compute_algo {self.amax_compute_algo!r}: accepted "
-        f"values are {', '.join(map(repr, AMAX_COMPUTE_ALGOS))}."
-      )
-    for name, low in (("margin", 0), ("amax_history_len", 1)):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-
-  @property
-  def forward_dtype(self) -> np.dtype:
-    """The FP8 dtype of inputs and kernels: E4M3."""
-    return E4M3
-
-  @property
-  def backward_dtype(self) -> np.dtype:
-    """The FP8 dtype of output gradients: E5M2 (hybrid) or E4M3."""
-    return E5M2 if self.format == "hybrid" else E4M3
-
-  @property
-  def fp8_max(self) -> tuple[float, float, float]:
-    """The largest FP8 value for input, kernel and output gradient."""
-    fwd, bwd = FP8_MAX[self.forward_dtype], FP8_MAX[self.backward_dtype]
-    return (fwd, fwd, bwd)
 
 
 @flax.struct.dataclass
@@ -109,17 +59,20 @@ class Fp8DotState:
   """The FP8 state of one matmul, for its input, kernel and output gradient.
 
   Attributes:
-    scale: float32[..., 3], the scales this step multiplies by.
-    amax_history: float32[..., 3, amax_history_len], entry 0 the most recent.
+    scale: float32[..., 3]. Delayed scaling: the scales this step multiplies
+      by. Current and blockwise scaling: the scales the last applied step's
+      amaxes give (reported, not used by the matmul).
+    amax_history: float32[..., 3, L], entry 0 the most recent; L is the
+      recipe's `amax_history_len` under delayed scaling, 1 otherwise.
     amax: one float32[..., 3] of zeros per call of the matmul; their
       gradients are the call's amaxes.
-    recipe: the `Fp8Recipe` (static).
+    recipe: the recipe (static).
   """
 
   scale: jax.Array
   amax_history: jax.Array
   amax: tuple[jax.Array, ...]
-  recipe: Fp8Recipe = flax.struct.field(pytree_node=False)
+  recipe: Recipe = flax.struct.field(pytree_node=False)
 
 
 def is_fp8_state(x: Any) -> bool:
@@ -127,42 +80,15 @@ def is_fp8_state(x: Any) -> bool:
   return isinstance(x, Fp8DotState)
 
 
-def init_state(recipe: Fp8Recipe, calls: int = 1) -> Fp8DotState:
+def init_state(recipe: Recipe, calls: int = 1) -> Fp8DotState:
   """The state of a matmul before its first step: scale 1, zero history."""
+  length = recipe.amax_history_len if is_delayed(recipe) else 1
   return Fp8DotState(
     scale=jnp.ones((3,), jnp.float32),
-    amax_history=jnp.zeros((3, recipe.amax_history_len), jnp.float32),
+    amax_history=jnp.zeros((3, length), jnp.float32),
     amax=tuple(jnp.zeros((3,), jnp.float32) for _ in range(calls)),
     recipe=recipe,
   )
-
-
-def compute_scale(
-  amax_history: jax.Array,
-  scale: jax.Array,
-  fp8_max: jax.typing.ArrayLike,
-  margin: int = 0,
-  amax_compute_algo: str = "max",
-) -> jax.Array:
-  """The delayed scale from an amax history (last axis; entry 0 most recent).
-
-  `fp8_max / amax / 2**margin`, where `amax` is the history's max or its
-  entry 0; where that amax is zero or not finite, or the scale would be
-  infinite, the previous `scale` is kept.
-  """
-  if amax_compute_algo == "max":
-    amax = jnp.max(amax_history, axis=-1)
-  elif amax_compute_algo == "most_recent":
-    amax = amax_history[..., 0]
-  else:
-    raise ValueError(
-      f"Unknown amax_compute_algo {amax_compute_algo!r}: accepted values are "
-      f"{', '.join(map(repr, AMAX_COMPUTE_ALGOS))}."
-    )
-  amax = amax.astype(jnp.float32)
-  new = jnp.asarray(fp8_max, jnp.float32) / amax / jnp.float32(2.0**margin)
-  ok = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
-  return jnp.where(ok, new, scale)
 
 
 def roll_amax_history(amax_history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -172,16 +98,20 @@ def roll_amax_history(amax_history: jax.Array, amax: jax.Array) -> jax.Array:
 
 
 def step_state(state: Fp8DotState, amax: jax.Array) -> Fp8DotState:
-  """One step of delayed scaling: roll `amax` (float32[..., 3]) in, rescale."""
+  """One step of the recipe: roll `amax` (float32[..., 3]) in, rescale."""
   recipe = state.recipe
   history = roll_amax_history(state.amax_history, amax)
-  scale = compute_scale(
-    history,
-    state.scale,
-    jnp.asarray(recipe.fp8_max, jnp.float32),
-    recipe.margin,
-    recipe.amax_compute_algo,
-  )
+  fp8_max = jnp.asarray(recipe.fp8_max, jnp.float32)
+  if is_delayed(recipe):
+    scale = delayed_scale(
+      history,
+      state.scale,
+      fp8_max,
+      recipe.margin,
+      recipe.amax_compute_algo,
+    )
+  else:
+    scale = current_scale(amax, fp8_max, recipe.power_of_two_scales)
   return state.replace(scale=scale, amax_history=history)
 
 
@@ -200,7 +130,7 @@ def combined_amax(grad_state: Fp8DotState) -> jax.Array:
 def update(
   tree: Any, grads: Any, *, finite: jax.typing.ArrayLike | None = None
 ) -> Any:
-  """Advances every FP8 state in `tree` by one step of delayed scaling.
+  """Advances every FP8 state in `tree` by one step of its recipe.
 
   Call it once per train step with the gradients of the loss with respect to
   `tree` (which may hold params too: other leaves are returned unchanged).
@@ -227,7 +157,8 @@ def update(
     `tree` with each FP8 state's history rolled and scale recomputed.
 
   Example:
-    >>> state = init_state(Fp8Recipe(amax_history_len=2))
+    >>> from jmp_train.fp8 import DelayedScaling
+    >>> state = init_state(DelayedScaling(amax_history_len=2))
     >>> grads = state.replace(amax=(jnp.array([2.0, 4.0, 8.0]),))
     >>> update({"dot": state}, {"dot": grads})["dot"].scale
     Array([ 224.,  112., 7168.], dtype=float32)

@@ -12,8 +12,10 @@ with E4M3 (max 448) for `x` and `w` and, in the "hybrid" format, E5M2 (max
 the FP8 range saturate; inf and NaN stay non-finite, so an overflow still
 makes the step skip.
 
-The scales `s` are inputs (`fp8.py` computes them from past amaxes). This
-call's amaxes `max|x|, max|w|, max|g|` leave through the backward pass, as the
+Under delayed scaling the scales `s` are inputs (`fp8.py` computes them from
+past amaxes); under current scaling each is `fp8_max / amax` of the tensor
+being cast (`fp8_recipe.current_scale`), computed here. Blockwise scaling has
+its own matmul (`fp8_block.py`). This call's amaxes `max|x|, max|w|, max|g|` leave through the backward pass, as the
 gradient of a zero-valued `amax` input: a function of the state cannot return
 a new state from inside `jax.grad`, but it can return a gradient.
 """
@@ -28,21 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_train._src.fp8 import FP8_MAX, Fp8Recipe
-
-DEFAULT_RECIPE = Fp8Recipe()
-
-
-def _quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
-  """x * scale cast to `dtype`; finite values saturate, inf/NaN stay so."""
-  fp8_max = FP8_MAX[np.dtype(dtype)]
-  y = x.astype(jnp.float32) * scale
-  y = jnp.where(jnp.isfinite(y), jnp.clip(y, -fp8_max, fp8_max), y)
-  return y.astype(dtype)
-
-
-def _amax(x: jax.Array) -> jax.Array:
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+from jmp_train._src import fp8_block
+from jmp_train._src.fp8_recipe import (
+  DEFAULT_RECIPE,
+  FP8_MAX,
+  BlockwiseScaling,
+  Recipe,
+  current_scale,
+  is_delayed,
+)
+from jmp_train._src.fp8_recipe import amax as _amax
+from jmp_train._src.fp8_recipe import quantize as _quantize
 
 
 def _transpose(g, other, dimension_numbers, ndim, *, of_lhs):
@@ -78,6 +76,15 @@ class _DotConfig(NamedTuple):
   out_dtype: np.dtype
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
+  current: bool  # scales from this call's amaxes (else the `scale` input)
+  power_of_two_scales: bool
+
+
+def _scale_of(cfg: _DotConfig, x_amax, given, dtype):
+  """The scale a tensor is cast with: the given one, or its current one."""
+  if not cfg.current:
+    return given
+  return current_scale(x_amax, FP8_MAX[dtype], cfg.power_of_two_scales)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -87,26 +94,31 @@ def _fp8_dot(cfg: _DotConfig, lhs, rhs, scale, amax):
 
 def _fp8_dot_fwd(cfg, lhs, rhs, scale, amax):
   del amax  # only its gradient matters
-  q_lhs = _quantize(lhs, scale[0], cfg.forward_dtype)
-  q_rhs = _quantize(rhs, scale[1], cfg.forward_dtype)
+  amax_lhs, amax_rhs = _amax(lhs), _amax(rhs)
+  s_lhs = _scale_of(cfg, amax_lhs, scale[0], cfg.forward_dtype)
+  s_rhs = _scale_of(cfg, amax_rhs, scale[1], cfg.forward_dtype)
+  q_lhs = _quantize(lhs, s_lhs, cfg.forward_dtype)
+  q_rhs = _quantize(rhs, s_rhs, cfg.forward_dtype)
   y = lax.dot_general(
     q_lhs, q_rhs, cfg.dimension_numbers, preferred_element_type=jnp.float32
   )
-  y = (y * ((1.0 / scale[0]) * (1.0 / scale[1]))).astype(cfg.out_dtype)
-  return y, (q_lhs, q_rhs, scale, _amax(lhs), _amax(rhs))
+  y = (y * ((1.0 / s_lhs) * (1.0 / s_rhs))).astype(cfg.out_dtype)
+  return y, (q_lhs, q_rhs, s_lhs, s_rhs, scale, amax_lhs, amax_rhs)
 
 
 def _fp8_dot_bwd(cfg, res, g):
-  q_lhs, q_rhs, scale, amax_lhs, amax_rhs = res
-  q_g = _quantize(g, scale[2], cfg.backward_dtype)
-  inv_g = 1.0 / scale[2]
+  q_lhs, q_rhs, s_lhs, s_rhs, scale, amax_lhs, amax_rhs = res
+  amax_g = _amax(g)
+  s_g = _scale_of(cfg, amax_g, scale[2], cfg.backward_dtype)
+  q_g = _quantize(g, s_g, cfg.backward_dtype)
+  inv_g = 1.0 / s_g
   d_lhs = _transpose(
     q_g, q_rhs, cfg.dimension_numbers, q_lhs.ndim, of_lhs=True
-  ) * (inv_g * (1.0 / scale[1]))
+  ) * (inv_g * (1.0 / s_rhs))
   d_rhs = _transpose(
     q_g, q_lhs, cfg.dimension_numbers, q_rhs.ndim, of_lhs=False
-  ) * (inv_g * (1.0 / scale[0]))
-  amaxes = jnp.stack([amax_lhs, amax_rhs, _amax(g)])
+  ) * (inv_g * (1.0 / s_lhs))
+  amaxes = jnp.stack([amax_lhs, amax_rhs, amax_g])
   return (
     d_lhs.astype(cfg.lhs_dtype),
     d_rhs.astype(cfg.rhs_dtype),
@@ -130,27 +142,31 @@ def fp8_dot_general(
   *,
   scale: jax.Array,
   amax: jax.Array,
-  recipe: Fp8Recipe = DEFAULT_RECIPE,
+  recipe: Recipe = DEFAULT_RECIPE,
   preferred_element_type: Any = None,
 ) -> jax.Array:
   """`lax.dot_general` in FP8 with the given scales (a pure function).
 
   Args:
     lhs, rhs, dimension_numbers: as for `jax.lax.dot_general`.
-    scale: float32[3], the scales of lhs, rhs and the output gradient.
+    scale: float32[3], the scales of lhs, rhs and the output gradient
+      under delayed scaling; other recipes compute their own and ignore it.
     amax: float32[3] of zeros; its gradient is the amaxes of lhs, rhs and
       the output gradient.
-    recipe: gives the FP8 dtypes.
+    recipe: the recipe (`fp8_recipe.py`); it gives the FP8 dtypes.
     preferred_element_type: the output dtype (default: lhs and rhs promoted).
 
   Returns:
     The product, dequantized to the output dtype.
 
   Example:
+    >>> from jmp_train.fp8 import DelayedScaling
     >>> x, w = jnp.array([[1.0, -2.0]]), jnp.array([[3.0], [0.5]])
     >>> dn = (((1,), (0,)), ((), ()))
     >>> def f(amax):
-    ...   y = fp8_dot_general(x, w, dn, scale=jnp.ones(3), amax=amax)
+    ...   y = fp8_dot_general(
+    ...     x, w, dn, scale=jnp.ones(3), amax=amax, recipe=DelayedScaling()
+    ...   )
     ...   return y.sum()
     >>> f(jnp.zeros(3))
     Array(2., dtype=float32)
@@ -167,5 +183,17 @@ def fp8_dot_general(
     out_dtype,
     np.dtype(lhs.dtype),
     np.dtype(rhs.dtype),
+    not is_delayed(recipe),
+    getattr(recipe, "power_of_two_scales", False),
   )
+  if isinstance(recipe, BlockwiseScaling):
+    return fp8_block.block_dot_general(
+      lhs,
+      rhs,
+      cfg.dimension_numbers,
+      amax=amax,
+      block_size=recipe.block_size,
+      power_of_two_scales=recipe.power_of_two_scales,
+      out_dtype=out_dtype,
+    )
   return _fp8_dot(cfg, lhs, rhs, scale, amax)

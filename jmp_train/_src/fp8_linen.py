@@ -19,7 +19,7 @@ the collection with that gradient on every step. So:
 - Flax's scale rule has no margin (`update_fp8_meta` calls `compute_scale`
   with margin 0) and always takes the max over the history (no
   "most_recent"); only the history length (`amax_history_length`) is
-  configurable. `Fp8Recipe` has all three, as Transformer Engine does;
+  configurable. `DelayedScaling` has all three, as Transformer Engine does;
 - "gradients" of plain float32 variables add up: a module called twice gets
   the sum of two next scales and histories (so would micro-batches summed or
   devices reduced by `psum`), unless the variables use Flax's `fm32` dtype,
@@ -37,8 +37,9 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_train._src.fp8 import COLLECTION, Fp8Recipe, init_state
+from jmp_train._src.fp8 import COLLECTION, init_state
 from jmp_train._src.fp8_dot import fp8_dot_general
+from jmp_train._src.fp8_recipe import DEFAULT_RECIPE, Recipe
 
 # One counter per apply (keyed by its root scope) and module path, so the n-th
 # call of a shared module reads its own amax entry.
@@ -61,14 +62,16 @@ class Fp8DotGeneral(nn.Module):
 
   Example:
     >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
-    >>> dot = functools.partial(Fp8DotGeneral, recipe=Fp8Recipe(amax_history_len=4))
+    >>> from jmp_train.fp8 import DelayedScaling
+    >>> recipe = DelayedScaling(amax_history_len=4)
+    >>> dot = functools.partial(Fp8DotGeneral, recipe=recipe)
     >>> layer = nn.Dense(3, dot_general_cls=dot)
     >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 5)))
     >>> variables["fp8_meta"]["Fp8DotGeneral_0"]["fp8"].amax_history.shape
     (3, 4)
   """
 
-  recipe: Fp8Recipe = Fp8Recipe()
+  recipe: Recipe = DEFAULT_RECIPE
 
   @nn.compact
   def __call__(

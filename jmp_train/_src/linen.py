@@ -54,8 +54,7 @@ import numpy as np
 from flax.core import meta
 from flax.nnx import graph as nnx_graph
 
-from jmp_train._src import fp8 as fp8_lib
-from jmp_train._src import fp8_linen
+from jmp_train._src import fp8_linen, fp8_recipe
 from jmp_train._src import policy as policy_lib
 
 DEFAULT_FLOAT32_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
@@ -65,7 +64,7 @@ class _Frame(NamedTuple):
   policy: policy_lib.Policy  # the running module's effective policy
   overrides: tuple[policy_lib.Override, ...]  # the innermost wrap's overrides
   creating: bool  # init's first pass: run as written, record param owners
-  fp8: fp8_lib.Fp8Recipe | None = None  # FP8 matmuls here, with this recipe
+  fp8: fp8_recipe.Recipe | None = None  # FP8 matmuls here, with this recipe
   fp8_exclude: tuple = ()  # module classes and name patterns kept out of FP8
   set_dtype_fields: bool = True  # modules' dtype fields follow the policy
   respect: tuple = ()  # classes and name patterns whose dtype fields stay
@@ -283,7 +282,7 @@ class _Wrapped(nn.Module):
   module: nn.Module
   policy: policy_lib.Policy
   overrides: tuple[policy_lib.Override, ...]
-  fp8: fp8_lib.Fp8Recipe | None = None
+  fp8: fp8_recipe.Recipe | None = None
   fp8_exclude: tuple = ()
   respect_dtype_fields: bool | tuple = False
 
@@ -454,7 +453,7 @@ def wrap(
   policy: policy_lib.Policy | str,
   overrides: Mapping[type, policy_lib.Policy | str | None] | None = None,
   *,
-  fp8: fp8_lib.Fp8Recipe | bool | None = None,
+  fp8: fp8_recipe.Recipe | str | bool | None = None,
   fp8_exclude: Iterable[str | type] = (),
   respect_dtype_fields: bool | Iterable[str | type] = False,
 ) -> nn.Module:
@@ -485,7 +484,9 @@ def wrap(
       and GroupNorm in float32 (params and compute) and return their outputs
       in the enclosing compute dtype; map a class to None to drop its default.
       A user override returns outputs in its policy's output dtype.
-    fp8: an `Fp8Recipe` (True: the default recipe) to run the matmul of every
+    fp8: a `jmp_train.fp8` recipe (`DelayedScaling`, `CurrentScaling`,
+      `BlockwiseScaling`), a recipe name ("delayed", "current", "blockwise")
+      or True (the default, `CurrentScaling()`) to run the matmul of every
       `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` inside the model in FP8
       (`jmp_train.fp8.Fp8DotGeneral`, state in the "fp8_meta" collection).
       Layers given their own `dot_general` or `dot_general_cls` keep it.
@@ -530,12 +531,7 @@ def wrap(
   table = policy_lib.override_table(
     policy, overrides, DEFAULT_FLOAT32_MODULES, nn.Module, "flax.linen"
   )
-  if fp8 is True:
-    fp8 = fp8_lib.Fp8Recipe()
-  if not (fp8 is None or fp8 is False or isinstance(fp8, fp8_lib.Fp8Recipe)):
-    raise TypeError(
-      f"fp8 must be an Fp8Recipe, True, False or None, got {fp8!r}."
-    )
+  fp8 = fp8_recipe.check_recipe(fp8, "fp8")
   fp8_exclude = _selectors(fp8_exclude, "fp8_exclude")
   if not isinstance(respect_dtype_fields, bool):
     respect_dtype_fields = _selectors(
@@ -545,7 +541,7 @@ def wrap(
     module=module,
     policy=policy,
     overrides=table,
-    fp8=fp8 or None,
+    fp8=fp8,
     fp8_exclude=fp8_exclude,
     respect_dtype_fields=respect_dtype_fields,
   )

@@ -52,12 +52,11 @@ from typing import Any
 
 import optax
 
-from jmp_train._src import fp8 as fp8_lib
+from jmp_train._src import fp8_recipe, state_storage, transform
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src import policy as policy_lib
 from jmp_train._src import state_format as sf
-from jmp_train._src import state_storage, transform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +102,7 @@ class Preset:
   policy: policy_lib.Policy
   loss_scale: ls_lib.LossScale
   param_update: param_update_lib.ParamUpdate = param_update_lib.MasterWeights()
-  fp8: fp8_lib.Fp8Recipe | None = None
+  fp8: fp8_recipe.Recipe | None = None
   state_formats: Any = None
 
   def __post_init__(self):
@@ -119,10 +118,10 @@ class Preset:
     scale = transform.as_loss_scale(self.loss_scale)
     object.__setattr__(self, "loss_scale", scale)
     param_update_lib.check(self.param_update, "Preset param_update")
-    if not (self.fp8 is None or isinstance(self.fp8, fp8_lib.Fp8Recipe)):
+    if not (self.fp8 is None or isinstance(self.fp8, fp8_recipe.RECIPES)):
       raise TypeError(
-        f"Preset fp8 must be a jmp_train.fp8.Fp8Recipe or None, got "
-        f"{self.fp8!r}."
+        "Preset fp8 must be a jmp_train.fp8 recipe (DelayedScaling, "
+        f"CurrentScaling, BlockwiseScaling) or None, got {self.fp8!r}."
       )
     formats = state_storage.check_formats(
       self.state_formats, "Preset state_formats"
@@ -155,7 +154,7 @@ class Preset:
 def _presets() -> dict[str, Preset]:
   get = policy_lib.get_policy
   none, dynamic = ls_lib.NoOpLossScale(), ls_lib.dynamic_loss_scale()
-  fp8 = fp8_lib.Fp8Recipe()
+  fp8 = fp8_recipe.DEFAULT_RECIPE
   bf16 = get("p=bf16,c=bf16,o=f32")
   remainders = param_update_lib.ParamRemainders()
   sr = param_update_lib.StochasticRounding(seed=0)

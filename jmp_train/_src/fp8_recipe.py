@@ -1,0 +1,289 @@
+"""FP8 recipes: how each FP8 matmul picks the scales of its operands.
+
+Three recipes, named as Transformer Engine names them:
+
+- `DelayedScaling`: each tensor's scale comes from the amaxes (max |value|)
+  of previous steps, kept in a history (`fp8.py` holds that state):
+  `fp8_max / amax / 2**margin`.
+- `CurrentScaling` (TE's `Float8CurrentScaling`, torchao's "tensorwise"):
+  each tensor's scale comes from its own amax at the moment it is cast,
+  `fp8_max / amax(x)`; no history.
+- `BlockwiseScaling` (DeepSeek-V3, TE's `Float8BlockScaling`): one scale per
+  1 x 128 tile of activations and output gradients (128 consecutive values
+  along the matmul's contraction) and per 128 x 128 block of weights, each
+  from the tile's own amax; E4M3 in both passes; the matmul's partial sums are
+  promoted to float32 every 128 values of the contraction (`fp8_block.py`).
+
+The scale rule of the current and blockwise recipes, for one tensor or tile:
+
+    scale = 1                               if amax is 0 or not finite
+            min(fp8_max / amax, 2**126)     otherwise
+    scale = 2**floor(log2(scale))           with power_of_two_scales
+
+An amax of 0 leaves zeros zero; an infinite or NaN amax leaves the tensor's
+inf and NaN non-finite after the cast (finite values saturate at fp8_max),
+so the step that produced them still skips. The cap keeps `1 / scale` a
+normal float32 (XLA flushes subnormals to zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+FORMATS = ("hybrid", "e4m3")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The largest scale the current and blockwise recipes use: 1 / 2**126 is
+# float32's smallest normal.
+MAX_SCALE = 2.0**126
+
+
+def _check_format(value: Any) -> None:
+  if value not in FORMATS:
+    raise ValueError(
+      f"Unknown FP8 format {value!r}: accepted formats are "
+      f"{', '.join(map(repr, FORMATS))}."
+    )
+
+
+def _check_bool(name: str, value: Any) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{name} must be True or False, got {value!r}.")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+
+
+class _Formats:
+  """The FP8 dtypes of a recipe with a `format` field."""
+
+  format: str
+
+  @property
+  def forward_dtype(self) -> np.dtype:
+    """The FP8 dtype of inputs and kernels: E4M3."""
+    return E4M3
+
+  @property
+  def backward_dtype(self) -> np.dtype:
+    """The FP8 dtype of output gradients: E5M2 (hybrid) or E4M3."""
+    return E5M2 if self.format == "hybrid" else E4M3
+
+  @property
+  def fp8_max(self) -> tuple[float, float, float]:
+    """The largest FP8 value for input, kernel and output gradient."""
+    fwd, bwd = FP8_MAX[self.forward_dtype], FP8_MAX[self.backward_dtype]
+    return (fwd, fwd, bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(_Formats):
+  """Delayed scaling, as Transformer Engine and NeMo name its options.
+
+  Attributes:
+    format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3" (E4M3 for
+      both).
+    margin: the scale is divided by 2**margin (headroom against growth);
+      a non-negative int.
+    amax_history_len: how many steps of amax the scale looks back over.
+    amax_compute_algo: "max" (the largest amax in the history) or
+      "most_recent" (the last step's amax).
+
+  Example:
+    >>> recipe = DelayedScaling(margin=1, amax_history_len=16)
+    >>> recipe.fp8_max
+    (448.0, 448.0, 57344.0)
+  """
+
+  format: str = "hybrid"
+  margin: int = 0
+  amax_history_len: int = 1024
+  amax_compute_algo: str = "max"
+
+  def __post_init__(self):
+    _check_format(self.format)
+    if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+      raise ValueError(
+        f"Unknown amax_compute_algo {self.amax_compute_algo!r}: accepted "
+        f"values are {', '.join(map(repr, AMAX_COMPUTE_ALGOS))}."
+      )
+    _check_int("margin", self.margin, 0)
+    _check_int("amax_history_len", self.amax_history_len, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling(_Formats):
+  """Current (per-tensor, just-in-time) scaling: no history state.
+
+  Each operand's scale is `fp8_max / amax` of that operand, computed where
+  it is cast (the output gradient's in the backward pass).
+
+  Attributes:
+    format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3".
+    power_of_two_scales: round each scale down to a power of two, so that
+      scaling and unscaling are exact.
+
+  Example:
+    >>> CurrentScaling(power_of_two_scales=True).backward_dtype
+    dtype(float8_e5m2)
+  """
+
+  format: str = "hybrid"
+  power_of_two_scales: bool = False
+
+  def __post_init__(self):
+    _check_format(self.format)
+    _check_bool("power_of_two_scales", self.power_of_two_scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseScaling(_Formats):
+  """Blockwise scaling (DeepSeek-V3): one scale per tile or block, E4M3.
+
+  Activations and output gradients get one scale per `1 x block_size` tile
+  along the contraction of the matmul that reads them, kernels one per
+  `block_size x block_size` block; tiles at the edges are partial. The
+  matmul promotes its partial sums to float32 every `block_size` values of
+  the contraction.
+
+  Attributes:
+    block_size: the tile length and block side (DeepSeek-V3: 128).
+    power_of_two_scales: round each scale down to a power of two (the
+      default, as Transformer Engine's `Float8BlockScaling`).
+
+  Example:
+    >>> BlockwiseScaling().fp8_max
+    (448.0, 448.0, 448.0)
+  """
+
+  block_size: int = 128
+  power_of_two_scales: bool = True
+
+  def __post_init__(self):
+    _check_int("block_size", self.block_size, 1)
+    _check_bool("power_of_two_scales", self.power_of_two_scales)
+
+  @property
+  def format(self) -> str:
+    """Always "e4m3": E4M3 for inputs, kernels and gradients."""
+    return "e4m3"
+
+
+Recipe = DelayedScaling | CurrentScaling | BlockwiseScaling
+RECIPES = (DelayedScaling, CurrentScaling, BlockwiseScaling)
+RECIPE_NAMES = {
+  "delayed": DelayedScaling,
+  "current": CurrentScaling,
+  "blockwise": BlockwiseScaling,
+}
+# What `fp8=True` means: see README "FP8 matmuls" for the measurements.
+DEFAULT_RECIPE = CurrentScaling()
+
+
+def check_recipe(value: Any, name: str = "fp8") -> Recipe | None:
+  """A recipe from what `wrap(fp8=...)` and presets accept, or None.
+
+  Accepted: a recipe, a recipe name ("delayed", "current", "blockwise": that
+  recipe's defaults), True (the default recipe, `CurrentScaling()`), False
+  or None (no FP8).
+  """
+  if value is None or value is False:
+    return None
+  if value is True:
+    return DEFAULT_RECIPE
+  if isinstance(value, str) and value in RECIPE_NAMES:
+    return RECIPE_NAMES[value]()
+  if isinstance(value, RECIPES):
+    return value
+  raise (ValueError if isinstance(value, str) else TypeError)(
+    f"{name} must be a jmp_train.fp8 recipe (DelayedScaling, CurrentScaling, "
+    f"BlockwiseScaling), one of their names {sorted(RECIPE_NAMES)}, True, "
+    f"False or None; got {value!r}."
+  )
+
+
+def is_delayed(recipe: Recipe) -> bool:
+  """Whether the recipe keeps scales between steps (delayed scaling)."""
+  return isinstance(recipe, DelayedScaling)
+
+
+def power_of_two(scale: jax.Array) -> jax.Array:
+  """Rounds positive normal float32 scales down to a power of two, exactly."""
+  bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+  return jax.lax.bitcast_convert_type(
+    bits & jnp.uint32(0xFF800000), jnp.float32
+  )
+
+
+def current_scale(
+  amax: jax.Array, fp8_max: jax.typing.ArrayLike, power_of_two_scales: bool
+) -> jax.Array:
+  """The current and blockwise scale rule (module docstring), elementwise.
+
+  Example:
+    >>> current_scale(jnp.array([2.0, 0.0, jnp.inf, 3.0]), 448.0, False)
+    Array([224.     ,   1.     ,   1.     , 149.33333], dtype=float32)
+    >>> current_scale(jnp.array([3.0]), 448.0, True)
+    Array([128.], dtype=float32)
+  """
+  amax = jnp.asarray(amax, jnp.float32)
+  ok = (amax > 0) & jnp.isfinite(amax)
+  scale = jnp.asarray(fp8_max, jnp.float32) / jnp.where(ok, amax, 1.0)
+  scale = jnp.minimum(scale, jnp.float32(MAX_SCALE))
+  if power_of_two_scales:
+    scale = power_of_two(scale)
+  return jnp.where(ok, scale, jnp.float32(1.0))
+
+
+def delayed_scale(
+  amax_history: jax.Array,
+  scale: jax.Array,
+  fp8_max: jax.typing.ArrayLike,
+  margin: int = 0,
+  amax_compute_algo: str = "max",
+) -> jax.Array:
+  """The delayed scale from an amax history (last axis; entry 0 most recent).
+
+  `fp8_max / amax / 2**margin`, where `amax` is the history's max or its
+  entry 0; where that amax is zero or not finite, or the scale would be
+  infinite, the previous `scale` is kept.
+  """
+  if amax_compute_algo == "max":
+    amax = jnp.max(amax_history, axis=-1)
+  elif amax_compute_algo == "most_recent":
+    amax = amax_history[..., 0]
+  else:
+    raise ValueError(
+      f"Unknown amax_compute_algo {amax_compute_algo!r}: accepted values are "
+      f"{', '.join(map(repr, AMAX_COMPUTE_ALGOS))}."
+    )
+  amax = amax.astype(jnp.float32)
+  new = jnp.asarray(fp8_max, jnp.float32) / amax / jnp.float32(2.0**margin)
+  ok = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
+  return jnp.where(ok, new, scale)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+  """`x * scale` cast to `dtype`; finite values saturate, inf/NaN stay so.
+
+  `scale` broadcasts against `x`; the product is taken in float32 and
+  rounded to nearest even.
+  """
+  fp8_max = FP8_MAX[np.dtype(dtype)]
+  y = x.astype(jnp.float32) * scale
+  y = jnp.where(jnp.isfinite(y), jnp.clip(y, -fp8_max, fp8_max), y)
+  return y.astype(dtype)
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """max |x| over all of `x`, in float32 (NaN if `x` holds a NaN)."""
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
