@@ -1,6 +1,7 @@
-"""Monitoring inside jit: non-finite gradients, zeros, loss-scale alarms."""
+"""Monitoring inside jit: non-finite gradients, zeros, loss-scale alarms, FP8."""
 
 from jmp_train._src.monitor import (
+  fp8_statistics,
   loss_scale_alarms,
   nonfinite_counts,
   nonfinite_report,
@@ -9,6 +10,7 @@ from jmp_train._src.monitor import (
 )
 
 __all__ = [
+  "fp8_statistics",
   "loss_scale_alarms",
   "nonfinite_counts",
   "nonfinite_report",

@@ -186,12 +186,19 @@ class _Net(nn.Module):
     return nn.Dense(4)(x)
 
 
-def test_one_device_resume_with_model_state_fp8_and_key_is_bit_exact(tmp_path):
-  model = jmp.linen.wrap(
-    _Net(),
-    "p=bf16,c=bf16,o=f32",
-    fp8=jmp.fp8.DelayedScaling(amax_history_len=4),
-  )
+@pytest.mark.parametrize(
+  "recipe",
+  [
+    jmp.fp8.DelayedScaling(amax_history_len=4),
+    jmp.fp8.CurrentScaling(),
+    jmp.fp8.BlockwiseScaling(block_size=4),
+  ],
+  ids=["delayed", "current", "blockwise"],
+)
+def test_one_device_resume_with_model_state_fp8_and_key_is_bit_exact(
+  tmp_path, recipe
+):
+  model = jmp.linen.wrap(_Net(), "p=bf16,c=bf16,o=f32", fp8=recipe)
 
   def loss_fn(params, batch, model_state, key):
     y, new_state = model.apply(

@@ -117,3 +117,71 @@ def test_static_scale_never_at_minimum_and_bad_streak():
     monitor.loss_scale_alarms(state, falling_streak=0)
   with pytest.raises(TypeError, match="falling_streak must be an int"):
     monitor.loss_scale_alarms(state, falling_streak=True)
+
+
+# --- FP8 statistics, through a train step -----------------------------------
+
+
+def _np_fractions(x, scale, fp8_max, dtype):
+  """Fractions saturated and flushed, by the written rule, in NumPy."""
+  y = np.asarray(x, np.float32) * np.float32(scale)  # the product in f32
+  q = np.clip(y, -fp8_max, fp8_max).astype(dtype).astype(np.float32)
+  nonzero = x != 0
+  saturated = np.mean(np.abs(y) > fp8_max)
+  flushed = np.sum(nonzero & (q == 0)) / max(nonzero.sum(), 1)
+  return saturated, flushed
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_fp8_statistics_follow_the_numpy_rule_and_hold_on_a_skipped_step(
+  name,
+):
+  import flax.linen as nn
+  import ml_dtypes
+
+  from jmp_train import fp8, train
+
+  recipe = {
+    "delayed": fp8.DelayedScaling(amax_history_len=2, statistics=True),
+    "current": fp8.CurrentScaling(statistics=True),
+  }[name]
+  model = jmp_train.linen.wrap(nn.Dense(4), "f32", fp8=recipe)
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 6)).astype(np.float32)
+  x[0, :3] = [600.0, -1000.0, 1e-4]  # saturate at scale 1; flush below 2^-10
+  x[1, :2] = [2e-7, 0.0]
+  variables = model.init(jax.random.key(0), x)
+  params = variables["params"]
+
+  def loss_fn(params, batch, model_state, key):
+    y = model.apply({"params": params, **model_state}, batch)
+    return jnp.mean(y**2)
+
+  tx = jmp_train.mixed_precision(optax.sgd(0.0))  # params stay put
+  state = train.TrainState.create(
+    params=params, tx=tx, fp8=variables["fp8_meta"]
+  )
+  step = train.make_train_step(loss_fn, tx)
+  state, _ = step(state, x)
+  stats = jax.device_get(monitor.fp8_statistics(state.fp8))
+  e4m3 = ml_dtypes.float8_e4m3fn
+  kernel = np.asarray(params["kernel"])
+  for tensor, value in (("input", x), ("kernel", kernel)):
+    amax = np.abs(value).max()
+    # Delayed: step 1 casts with scale 1. Current: fp8_max / amax in f32.
+    scale = 1.0 if name == "delayed" else np.float32(448.0) / amax
+    saturated, flushed = _np_fractions(value, scale, 448.0, e4m3)
+    assert stats[f"{tensor}/amax"] == np.float32(amax)
+    np.testing.assert_allclose(stats[f"{tensor}/saturated"], saturated)
+    np.testing.assert_allclose(stats[f"{tensor}/flushed"], flushed)
+  if name == "delayed":  # the test data do saturate and flush
+    assert stats["input/saturated"] > 0 and stats["input/flushed"] > 0
+  # A step with an inf keeps every statistic.
+  poisoned = x.copy()
+  poisoned[2, 2] = np.inf
+  after, metrics = step(state, poisoned)
+  assert not bool(metrics["last_step_finite"])
+  again = jax.device_get(monitor.fp8_statistics(after.fp8))
+  assert again.keys() == stats.keys()
+  for key in stats:
+    np.testing.assert_array_equal(again[key], stats[key])

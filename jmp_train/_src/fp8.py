@@ -65,13 +65,18 @@ class Fp8DotState:
     amax_history: float32[..., 3, L], entry 0 the most recent; L is the
       recipe's `amax_history_len` under delayed scaling, 1 otherwise.
     amax: one float32[..., 3] of zeros per call of the matmul; their
-      gradients are the call's amaxes.
+      gradients are the call's amaxes. With the recipe's `statistics`, one
+      float32[..., 3, 3] per call: amax, fraction saturated, fraction
+      flushed to zero.
+    fractions: float32[..., 3, 2], the last applied step's fractions
+      saturated and flushed (zeros without `statistics`).
     recipe: the recipe (static).
   """
 
   scale: jax.Array
   amax_history: jax.Array
   amax: tuple[jax.Array, ...]
+  fractions: jax.Array
   recipe: Recipe = flax.struct.field(pytree_node=False)
 
 
@@ -80,13 +85,19 @@ def is_fp8_state(x: Any) -> bool:
   return isinstance(x, Fp8DotState)
 
 
+def amax_entry(recipe: Recipe) -> jax.Array:
+  """One call's zero-valued `amax` entry (its gradient: the call's amaxes)."""
+  return jnp.zeros((3, 3) if recipe.statistics else (3,), jnp.float32)
+
+
 def init_state(recipe: Recipe, calls: int = 1) -> Fp8DotState:
   """The state of a matmul before its first step: scale 1, zero history."""
   length = recipe.amax_history_len if is_delayed(recipe) else 1
   return Fp8DotState(
     scale=jnp.ones((3,), jnp.float32),
     amax_history=jnp.zeros((3, length), jnp.float32),
-    amax=tuple(jnp.zeros((3,), jnp.float32) for _ in range(calls)),
+    amax=tuple(amax_entry(recipe) for _ in range(calls)),
+    fractions=jnp.zeros((3, 2), jnp.float32),
     recipe=recipe,
   )
 
@@ -98,8 +109,15 @@ def roll_amax_history(amax_history: jax.Array, amax: jax.Array) -> jax.Array:
 
 
 def step_state(state: Fp8DotState, amax: jax.Array) -> Fp8DotState:
-  """One step of the recipe: roll `amax` (float32[..., 3]) in, rescale."""
+  """One step of the recipe: roll `amax` (float32[..., 3]) in, rescale.
+
+  With the recipe's `statistics`, `amax` is float32[..., 3, 3] (amax,
+  fraction saturated, fraction flushed), and the fractions are kept.
+  """
   recipe = state.recipe
+  if recipe.statistics:
+    state = state.replace(fractions=amax[..., 1:])
+    amax = amax[..., 0]
   history = roll_amax_history(state.amax_history, amax)
   fp8_max = jnp.asarray(recipe.fp8_max, jnp.float32)
   if is_delayed(recipe):

@@ -33,7 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_train._src.fp8_recipe import E4M3, FP8_MAX, current_scale, quantize
+from jmp_train._src.fp8_recipe import (
+  E4M3,
+  FP8_MAX,
+  cast_fractions,
+  current_scale,
+  quantize,
+)
 
 
 def quantize_tiles(
@@ -56,6 +62,15 @@ def quantize_tiles(
   q = quantize(tiles, scale[..., :, None, :, None], E4M3)
   q = q.reshape(*lead, rb * tr, cb * tc)[..., :rows, :cols]
   return q, scale, jnp.max(tile_amax)
+
+
+def tile_fractions(
+  x: jax.Array, tile: tuple[int, int], scale: jax.Array, q: jax.Array
+) -> jax.Array:
+  """`cast_fractions` of `x` quantized by `quantize_tiles` to `q`, `scale`."""
+  rows, cols = x.shape[-2:]
+  full = jnp.repeat(jnp.repeat(scale, tile[0], axis=-2), tile[1], axis=-1)
+  return cast_fractions(x, full[..., :rows, :cols], q, FP8_MAX[E4M3])
 
 
 def _expand(inv: jax.Array, axis: int, tile: int, size: int) -> jax.Array:
@@ -96,15 +111,20 @@ def blocked_matmul(
   inv_a = _expand(1.0 / sa, 1, row_tile, m).transpose(2, 0, 1)  # [kb, B, M]
   inv_b = _expand(1.0 / sb, 2, col_tile, n).transpose(1, 0, 2)  # [kb, B, N]
 
-  def one_block(acc, block):
-    a, b, ia, ib = block
+  def product(a, b, ia, ib):
     part = lax.dot_general(
       a, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
     )
-    return acc + part * ia[:, :, None] * ib[:, None, :], None
+    return part * ia[:, :, None] * ib[:, None, :]
 
-  acc = jnp.zeros((batch, m, n), jnp.float32)
-  acc, _ = lax.scan(one_block, acc, (qa, qb, inv_a, inv_b))
+  def one_block(acc, block):
+    return acc + product(*block), None
+
+  # The first block starts the sum (rather than zeros), so the carry has the
+  # operands' type, also where they vary over a shard_map axis.
+  blocks = (qa, qb, inv_a, inv_b)
+  acc = product(*(x[0] for x in blocks))
+  acc, _ = lax.scan(one_block, acc, tuple(x[1:] for x in blocks))
   return acc
 
 
@@ -154,6 +174,7 @@ class _BlockConfig(NamedTuple):
   dimension_numbers: tuple
   block_size: int
   power_of_two_scales: bool
+  statistics: bool
   out_dtype: np.dtype
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
@@ -176,7 +197,14 @@ def _block_dot_fwd(cfg, lhs, rhs, amax):
   y = blocked_matmul(q_x, s_x, 1, q_w, s_w, blk, blk)
   y = y.reshape(lay.batch_shape + lay.m_shape + lay.n_shape)
   q_xc, s_xc, _ = quantize_tiles(x, (blk, 1), pow2)  # for dw = x^T @ g
+  if cfg.statistics:  # of the forward casts
+    amax_x = _with_fractions(amax_x, tile_fractions(x, (1, blk), s_x, q_x))
+    amax_w = _with_fractions(amax_w, tile_fractions(w, (blk, blk), s_w, q_w))
   return y.astype(cfg.out_dtype), (q_xc, s_xc, q_w, s_w, amax_x, amax_w)
+
+
+def _with_fractions(amax, fractions):
+  return jnp.concatenate([amax[None], fractions])
 
 
 def _block_dot_bwd(cfg, res, g):
@@ -186,6 +214,8 @@ def _block_dot_bwd(cfg, res, g):
   blk, pow2 = cfg.block_size, cfg.power_of_two_scales
   g = g.reshape(batch, m, n)
   q_g, s_g, amax_g = quantize_tiles(g, (1, blk), pow2)
+  if cfg.statistics:  # of the dgrad cast
+    amax_g = _with_fractions(amax_g, tile_fractions(g, (1, blk), s_g, q_g))
   dx = blocked_matmul(
     q_g, s_g, 1, q_w.transpose(0, 2, 1), s_w.transpose(0, 2, 1), blk, blk
   )
@@ -213,17 +243,21 @@ def block_dot_general(
   block_size: int,
   power_of_two_scales: bool,
   out_dtype: Any,
+  statistics: bool = False,
 ) -> jax.Array:
   """`lax.dot_general` with blockwise-scaled E4M3 operands (module docstring).
 
   `rhs` is the kernel (`block_size` x `block_size` blocks); `lhs` and the
   output gradient get `1 x block_size` tiles. `amax` is a float32[3] of
-  zeros whose gradient is max |lhs|, max |rhs| and max |dL/dy|.
+  zeros whose gradient is max |lhs|, max |rhs| and max |dL/dy|; with
+  `statistics`, a float32[3, 3] whose rows add the fractions saturated and
+  flushed of the forward casts and the dgrad cast of dL/dy.
   """
   cfg = _BlockConfig(
     dimension_numbers,
     block_size,
     power_of_two_scales,
+    statistics,
     np.dtype(out_dtype),
     np.dtype(lhs.dtype),
     np.dtype(rhs.dtype),

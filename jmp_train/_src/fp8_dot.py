@@ -36,6 +36,7 @@ from jmp_train._src.fp8_recipe import (
   FP8_MAX,
   BlockwiseScaling,
   Recipe,
+  cast_fractions,
   current_scale,
   is_delayed,
 )
@@ -78,6 +79,15 @@ class _DotConfig(NamedTuple):
   rhs_dtype: np.dtype
   current: bool  # scales from this call's amaxes (else the `scale` input)
   power_of_two_scales: bool
+  statistics: bool  # also the fractions saturated and flushed
+
+
+def _channel(cfg: _DotConfig, amax, x, scale, q, dtype):
+  """What one tensor sends back through the `amax` gradient."""
+  if not cfg.statistics:
+    return amax
+  fractions = cast_fractions(x, scale, q, FP8_MAX[dtype])
+  return jnp.concatenate([amax[None], fractions])
 
 
 def _scale_of(cfg: _DotConfig, x_amax, given, dtype):
@@ -103,14 +113,17 @@ def _fp8_dot_fwd(cfg, lhs, rhs, scale, amax):
     q_lhs, q_rhs, cfg.dimension_numbers, preferred_element_type=jnp.float32
   )
   y = (y * ((1.0 / s_lhs) * (1.0 / s_rhs))).astype(cfg.out_dtype)
-  return y, (q_lhs, q_rhs, s_lhs, s_rhs, scale, amax_lhs, amax_rhs)
+  sent_lhs = _channel(cfg, amax_lhs, lhs, s_lhs, q_lhs, cfg.forward_dtype)
+  sent_rhs = _channel(cfg, amax_rhs, rhs, s_rhs, q_rhs, cfg.forward_dtype)
+  return y, (q_lhs, q_rhs, s_lhs, s_rhs, scale, sent_lhs, sent_rhs)
 
 
 def _fp8_dot_bwd(cfg, res, g):
-  q_lhs, q_rhs, s_lhs, s_rhs, scale, amax_lhs, amax_rhs = res
+  q_lhs, q_rhs, s_lhs, s_rhs, scale, sent_lhs, sent_rhs = res
   amax_g = _amax(g)
   s_g = _scale_of(cfg, amax_g, scale[2], cfg.backward_dtype)
   q_g = _quantize(g, s_g, cfg.backward_dtype)
+  sent_g = _channel(cfg, amax_g, g, s_g, q_g, cfg.backward_dtype)
   inv_g = 1.0 / s_g
   d_lhs = _transpose(
     q_g, q_rhs, cfg.dimension_numbers, q_lhs.ndim, of_lhs=True
@@ -118,7 +131,7 @@ def _fp8_dot_bwd(cfg, res, g):
   d_rhs = _transpose(
     q_g, q_lhs, cfg.dimension_numbers, q_rhs.ndim, of_lhs=False
   ) * (inv_g * (1.0 / s_lhs))
-  amaxes = jnp.stack([amax_lhs, amax_rhs, amax_g])
+  amaxes = jnp.stack([sent_lhs, sent_rhs, sent_g])
   return (
     d_lhs.astype(cfg.lhs_dtype),
     d_rhs.astype(cfg.rhs_dtype),
@@ -152,7 +165,9 @@ def fp8_dot_general(
     scale: float32[3], the scales of lhs, rhs and the output gradient
       under delayed scaling; other recipes compute their own and ignore it.
     amax: float32[3] of zeros; its gradient is the amaxes of lhs, rhs and
-      the output gradient.
+      the output gradient. With the recipe's `statistics`, float32[3, 3]:
+      each row amax, fraction saturated, fraction flushed to zero
+      (`fp8_recipe.cast_fractions`).
     recipe: the recipe (`fp8_recipe.py`); it gives the FP8 dtypes.
     preferred_element_type: the output dtype (default: lhs and rhs promoted).
 
@@ -185,6 +200,7 @@ def fp8_dot_general(
     np.dtype(rhs.dtype),
     not is_delayed(recipe),
     getattr(recipe, "power_of_two_scales", False),
+    recipe.statistics,
   )
   if isinstance(recipe, BlockwiseScaling):
     return fp8_block.block_dot_general(
@@ -195,5 +211,6 @@ def fp8_dot_general(
       block_size=recipe.block_size,
       power_of_two_scales=recipe.power_of_two_scales,
       out_dtype=out_dtype,
+      statistics=recipe.statistics,
     )
   return _fp8_dot(cfg, lhs, rhs, scale, amax)

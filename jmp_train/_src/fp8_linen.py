@@ -37,7 +37,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_train._src.fp8 import COLLECTION, init_state
+from jmp_train._src.fp8 import COLLECTION, amax_entry, init_state
 from jmp_train._src.fp8_dot import fp8_dot_general
 from jmp_train._src.fp8_recipe import DEFAULT_RECIPE, Recipe
 
@@ -96,7 +96,7 @@ class Fp8DotGeneral(nn.Module):
           f"initialised with {len(state.amax)} call(s): init the model with "
           "the same calls as apply."
         )
-      state = state.replace(amax=(*state.amax, jnp.zeros((3,), jnp.float32)))
+      state = state.replace(amax=(*state.amax, amax_entry(self.recipe)))
       var.value = state
 
     def dot(lhs, rhs, dimension_numbers, precision=None, **kwargs):

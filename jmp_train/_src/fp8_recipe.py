@@ -97,6 +97,10 @@ class DelayedScaling(_Formats):
     amax_history_len: how many steps of amax the scale looks back over.
     amax_compute_algo: "max" (the largest amax in the history) or
       "most_recent" (the last step's amax).
+    statistics: also measure, per tensor and step, the fraction of values
+      saturated and the fraction of non-zero values flushed to zero by the
+      cast (`jmp_train.monitor.fp8_statistics`); a few extra reductions per
+      matmul.
 
   Example:
     >>> recipe = DelayedScaling(margin=1, amax_history_len=16)
@@ -108,6 +112,7 @@ class DelayedScaling(_Formats):
   margin: int = 0
   amax_history_len: int = 1024
   amax_compute_algo: str = "max"
+  statistics: bool = False
 
   def __post_init__(self):
     _check_format(self.format)
@@ -118,6 +123,7 @@ class DelayedScaling(_Formats):
       )
     _check_int("margin", self.margin, 0)
     _check_int("amax_history_len", self.amax_history_len, 1)
+    _check_bool("statistics", self.statistics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +137,10 @@ class CurrentScaling(_Formats):
     format: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3".
     power_of_two_scales: round each scale down to a power of two, so that
       scaling and unscaling are exact.
+    statistics: also measure, per tensor and step, the fraction of values
+      saturated and the fraction of non-zero values flushed to zero by the
+      cast (`jmp_train.monitor.fp8_statistics`); a few extra reductions per
+      matmul.
 
   Example:
     >>> CurrentScaling(power_of_two_scales=True).backward_dtype
@@ -139,10 +149,12 @@ class CurrentScaling(_Formats):
 
   format: str = "hybrid"
   power_of_two_scales: bool = False
+  statistics: bool = False
 
   def __post_init__(self):
     _check_format(self.format)
     _check_bool("power_of_two_scales", self.power_of_two_scales)
+    _check_bool("statistics", self.statistics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +171,10 @@ class BlockwiseScaling(_Formats):
     block_size: the tile length and block side (DeepSeek-V3: 128).
     power_of_two_scales: round each scale down to a power of two (the
       default, as Transformer Engine's `Float8BlockScaling`).
+    statistics: also measure, per tensor and step, the fraction of values
+      saturated and the fraction of non-zero values flushed to zero by the
+      cast (`jmp_train.monitor.fp8_statistics`); a few extra reductions per
+      matmul.
 
   Example:
     >>> BlockwiseScaling().fp8_max
@@ -167,10 +183,12 @@ class BlockwiseScaling(_Formats):
 
   block_size: int = 128
   power_of_two_scales: bool = True
+  statistics: bool = False
 
   def __post_init__(self):
     _check_int("block_size", self.block_size, 1)
     _check_bool("power_of_two_scales", self.power_of_two_scales)
+    _check_bool("statistics", self.statistics)
 
   @property
   def format(self) -> str:
@@ -282,6 +300,24 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   y = x.astype(jnp.float32) * scale
   y = jnp.where(jnp.isfinite(y), jnp.clip(y, -fp8_max, fp8_max), y)
   return y.astype(dtype)
+
+
+def cast_fractions(
+  x: jax.Array, scale: jax.Array, q: jax.Array, fp8_max: float
+) -> jax.Array:
+  """float32[2]: the fractions of `x` saturated and flushed by its cast.
+
+  Saturated: finite values with |x * scale| > fp8_max, over all values.
+  Flushed: non-zero finite values whose FP8 value `q` is zero, over the
+  non-zero values (0 when there are none).
+  """
+  y = x.astype(jnp.float32) * scale
+  finite = jnp.isfinite(y)
+  saturated = jnp.sum(finite & (jnp.abs(y) > fp8_max), dtype=jnp.float32)
+  nonzero = finite & (x != 0)
+  flushed = jnp.sum(nonzero & (q.astype(jnp.float32) == 0), dtype=jnp.float32)
+  count = jnp.sum(nonzero, dtype=jnp.float32)
+  return jnp.stack([saturated / x.size, flushed / jnp.maximum(count, 1.0)])
 
 
 def amax(x: jax.Array) -> jax.Array:

@@ -20,12 +20,14 @@ alarm is on).
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jmp_train._src import fp8 as fp8_lib
 from jmp_train._src import leaves, optimizer_state
 from jmp_train._src import loss_scale as ls_lib
 
@@ -166,3 +168,58 @@ def warn_loss_scale(opt_state: Any, *, falling_streak: int = 5) -> dict:
     lambda: None,
   )
   return alarms
+
+
+def fp8_statistics(fp8_tree: Any) -> dict[str, jax.Array]:
+  """Per FP8 matmul and tensor: scale, amax, fractions saturated and flushed.
+
+  Reads the FP8 state after a step (`state.fp8` of the train step, the
+  "fp8_meta" collection, or an NNX model's FP8 state) inside or outside jit.
+  Keys are `"{matmul path}/{tensor}/{statistic}"`, tensor one of "input",
+  "kernel", "output_grad", statistic one of:
+
+  - `scale`: the scale the next step casts with (delayed scaling), or the
+    last applied step's (current scaling; blockwise: its largest tile's);
+  - `amax`: the last applied step's max |value|, over every call of the
+    matmul, micro-batch and device;
+  - `saturated`: the fraction of values beyond the FP8 range, clipped;
+  - `flushed`: the fraction of non-zero values cast to zero.
+
+  The fractions need the recipe's `statistics=True` (else they are absent)
+  and are the largest over calls, micro-batches and devices. A skipped step
+  changes none of them.
+
+  Example:
+    >>> from jmp_train import fp8
+    >>> state = fp8.init_state(fp8.CurrentScaling(statistics=True))
+    >>> grads = state.replace(amax=(jnp.array([[2.0, 0, 0.5]] * 3),))
+    >>> stats = fp8_statistics({"dense": fp8.update(state, grads)})
+    >>> float(stats["dense/input/scale"]), float(stats["dense/input/flushed"])
+    (224.0, 0.5)
+  """
+  out = {}
+  found = jax.tree_util.tree_flatten_with_path(
+    fp8_tree, is_leaf=fp8_lib.is_fp8_state
+  )[0]
+  for path, state in found:
+    if not fp8_lib.is_fp8_state(state):
+      continue
+    name = _matmul_path(path)
+    for i, tensor in enumerate(fp8_lib.TENSORS):
+      prefix = f"{name}/{tensor}/" if name else f"{tensor}/"
+      out[prefix + "scale"] = state.scale[..., i]
+      out[prefix + "amax"] = state.amax_history[..., i, 0]
+      if state.recipe.statistics:
+        out[prefix + "saturated"] = state.fractions[..., i, 0]
+        out[prefix + "flushed"] = state.fractions[..., i, 1]
+  return out
+
+
+def _matmul_path(path) -> str:
+  """The layer's path: the state's tree path less the FP8 matmul's names."""
+  parts = leaves.keystr(path).split("/")
+  while parts and (
+    parts[-1] in ("fp8", "") or re.fullmatch(r"Fp8DotGeneral_\d+", parts[-1])
+  ):
+    parts.pop()
+  return "/".join(parts)
