@@ -112,7 +112,9 @@ def _fp8_dot_fwd(cfg, lhs, rhs, scale, amax):
   y = lax.dot_general(
     q_lhs, q_rhs, cfg.dimension_numbers, preferred_element_type=jnp.float32
   )
-  y = (y * ((1.0 / s_lhs) * (1.0 / s_rhs))).astype(cfg.out_dtype)
+  # One inverse scale at a time: their product alone can fall below
+  # float32's normal range (flushed to 0) where the result does not.
+  y = (y * (1.0 / s_lhs) * (1.0 / s_rhs)).astype(cfg.out_dtype)
   sent_lhs = _channel(cfg, amax_lhs, lhs, s_lhs, q_lhs, cfg.forward_dtype)
   sent_rhs = _channel(cfg, amax_rhs, rhs, s_rhs, q_rhs, cfg.forward_dtype)
   return y, (q_lhs, q_rhs, s_lhs, s_rhs, scale, sent_lhs, sent_rhs)
@@ -125,12 +127,16 @@ def _fp8_dot_bwd(cfg, res, g):
   q_g = _quantize(g, s_g, cfg.backward_dtype)
   sent_g = _channel(cfg, amax_g, g, s_g, q_g, cfg.backward_dtype)
   inv_g = 1.0 / s_g
-  d_lhs = _transpose(
-    q_g, q_rhs, cfg.dimension_numbers, q_lhs.ndim, of_lhs=True
-  ) * (inv_g * (1.0 / s_rhs))
-  d_rhs = _transpose(
-    q_g, q_lhs, cfg.dimension_numbers, q_rhs.ndim, of_lhs=False
-  ) * (inv_g * (1.0 / s_lhs))
+  d_lhs = (
+    _transpose(q_g, q_rhs, cfg.dimension_numbers, q_lhs.ndim, of_lhs=True)
+    * inv_g
+    * (1.0 / s_rhs)
+  )
+  d_rhs = (
+    _transpose(q_g, q_lhs, cfg.dimension_numbers, q_rhs.ndim, of_lhs=False)
+    * inv_g
+    * (1.0 / s_lhs)
+  )
   amaxes = jnp.stack([sent_lhs, sent_rhs, sent_g])
   return (
     d_lhs.astype(cfg.lhs_dtype),
@@ -214,3 +220,44 @@ def fp8_dot_general(
       statistics=recipe.statistics,
     )
   return _fp8_dot(cfg, lhs, rhs, scale, amax)
+
+
+def einsum(equation: str, lhs: jax.Array, rhs: jax.Array, dot) -> jax.Array:
+  """A two-operand einsum as one `dot(lhs, rhs, dimension_numbers)`.
+
+  `jnp.einsum` may hand its dot_general the operands in either order (it
+  puts the kernel first where that saves a transpose), but an FP8 matmul
+  must know which one is the kernel: its scale entry, and under blockwise
+  scaling its 128 x 128 blocks. So the contraction is built here with `lhs`
+  (the input) as lhs and `rhs` (the kernel) as rhs, then transposed to the
+  output's order. Letters found in one operand only and not in the output
+  are summed out first; an ellipsis or a repeated letter is refused.
+  """
+  eq = equation.replace(" ", "")
+  inputs, _, out = eq.partition("->")
+  a, _, b = inputs.partition(",")
+  if "." in eq or any(len(set(s)) != len(s) for s in (a, b, out)):
+    raise ValueError(
+      f"FP8 einsum equation {equation!r}: write every axis as a letter, each "
+      "once per operand (no '...' and no repeated letters)."
+    )
+  # Axes of one operand that neither the other nor the output has: sum them.
+  for name, x, letters, other in (("lhs", lhs, a, b), ("rhs", rhs, b, a)):
+    alone = [i for i, c in enumerate(letters) if c not in other + out]
+    if alone:
+      x = jnp.sum(x, axis=tuple(alone))
+      letters = "".join(c for c in letters if c in other + out)
+    if name == "lhs":
+      lhs, a = x, letters
+    else:
+      rhs, b = x, letters
+  batch = [c for c in a if c in b and c in out]
+  contract = [c for c in a if c in b and c not in out]
+  dn = (
+    (tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+    (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)),
+  )
+  y = dot(lhs, rhs, dn)
+  # dot_general's output: batch, then lhs's kept axes, then rhs's.
+  order = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+  return jnp.transpose(y, [order.index(c) for c in out])

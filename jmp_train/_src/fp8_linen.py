@@ -31,12 +31,14 @@ the collection with that gradient on every step. So:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jmp_train._src import fp8_dot
 from jmp_train._src.fp8 import COLLECTION, amax_entry, init_state
 from jmp_train._src.fp8_dot import fp8_dot_general
 from jmp_train._src.fp8_recipe import DEFAULT_RECIPE, Recipe
@@ -113,12 +115,11 @@ class Fp8DotGeneral(nn.Module):
 
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if isinstance(dimension_numbers, str):  # an einsum equation
-      return jnp.einsum(
+      return fp8_dot.einsum(
         dimension_numbers,
         lhs,
         rhs,
-        preferred_element_type=preferred_element_type,
-        _dot_general=dot,
+        functools.partial(dot, preferred_element_type=preferred_element_type),
       )
     return dot(
       lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type
