@@ -21,6 +21,14 @@ from jmp_train._src.fp8 import (
   update,
 )
 from jmp_train._src.fp8_block import block_dot_general
+from jmp_train._src.fp8_check import (
+  CUBLAS_FP8_TARGET,
+  Matmul,
+  check_fp8,
+  compiled_matmuls,
+  fp8_layers,
+  matmuls,
+)
 from jmp_train._src.fp8_dot import fp8_dot_general
 from jmp_train._src.fp8_linen import Einsum, Fp8DotGeneral
 from jmp_train._src.fp8_recipe import (
@@ -45,6 +53,7 @@ compute_scale = delayed_scale
 __all__ = [
   "AMAX_COMPUTE_ALGOS",
   "COLLECTION",
+  "CUBLAS_FP8_TARGET",
   "DEFAULT_RECIPE",
   "E4M3",
   "E5M2",
@@ -58,15 +67,20 @@ __all__ = [
   "Fp8DotGeneral",
   "Fp8DotState",
   "Fp8Recipe",
+  "Matmul",
   "Recipe",
   "block_dot_general",
+  "check_fp8",
   "combined_amax",
+  "compiled_matmuls",
   "compute_scale",
   "current_scale",
   "delayed_scale",
+  "fp8_layers",
   "fp8_dot_general",
   "init_state",
   "is_fp8_state",
+  "matmuls",
   "roll_amax_history",
   "scales",
   "step_state",
