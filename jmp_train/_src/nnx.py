@@ -22,14 +22,20 @@ Its variables keep their structure, and afterwards:
   BatchNorm and GroupNorm: float32 params and compute) get their inputs cast
   to the override's compute dtype and their outputs back to the enclosing
   compute dtype (or to the override's output dtype for user overrides);
-- other variables (`nnx.BatchStat`, RNG state, counters) keep their dtypes.
+- other variables (`nnx.BatchStat`, RNG state, counters) keep their dtypes;
+- with `fp8=recipe`, every `nnx.Linear`, `nnx.LinearGeneral` and `nnx.Einsum`
+  (but those excluded, and those given their own `dot_general` or
+  `einsum_op`) runs its matmul in FP8 and holds its FP8 state in an
+  `Fp8Meta` variable `fp8_meta` (`fp8_nnx.py`).
 
 How: the model's class, and the class of each overridden module inside it, is
 swapped for a cached subclass whose public methods apply the policy, and each
 float param's class for a cached subclass of its own (still an `nnx.Param`)
 whose `get_value` casts to the running module's compute dtype while a wrapped
-call is running, like linen's `self.param`. Nothing is mutated during a call,
-so `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.grad`, `nnx.Optimizer` and plain
+call is running, like linen's `self.param`; an FP8 layer's class for one
+whose `dot_general` (`einsum_op`) is the FP8 matmul. Nothing but an FP8
+layer's `fp8_meta` (see `fp8_nnx.py`) is written during a call, so
+`nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.grad`, `nnx.Optimizer` and plain
 `jax.jit` over a closure all see an ordinary model.
 """
 
@@ -46,6 +52,7 @@ from typing import Any, NamedTuple
 import flax.nnx as nnx
 from flax.nnx import graph as nnx_graph
 
+from jmp_train._src import fp8_nnx, fp8_recipe
 from jmp_train._src import policy as policy_lib
 
 DEFAULT_FLOAT32_MODULES = (
@@ -121,8 +128,9 @@ def _owners(model: nnx.Module) -> tuple[list, list]:
   )
 
 
-def _selectors(items: Any) -> tuple:
-  """`respect_dtype_fields`' module classes and path patterns, validated."""
+def _selectors(items: Any, argument: str, accepted: str = "") -> tuple:
+  """Module classes and path patterns (`respect_dtype_fields`,
+  `fp8_exclude`), validated, as a tuple."""
   if isinstance(items, (str, type)):
     items = (items,)
   try:
@@ -135,8 +143,8 @@ def _selectors(items: Any) -> tuple:
       or (isinstance(item, type) and issubclass(item, nnx.Module))
     ):
       raise TypeError(
-        "respect_dtype_fields takes True/False, or flax.nnx Module classes "
-        f"and path patterns (str), got {item!r}."
+        f"{argument} takes {accepted}flax.nnx Module classes and path "
+        f"patterns (str), got {item!r}."
       )
   return items
 
@@ -150,6 +158,11 @@ def _selected(module: nnx.Module, path: tuple, item: type | str) -> bool:
   return any(fnmatch.fnmatchcase(name, item) for name in names)
 
 
+def _inside(path: tuple, paths: list) -> bool:
+  """Whether `path` is one of `paths` or inside one of them."""
+  return any(path[: len(p)] == p for p in paths)
+
+
 def _respected(modules: list, respect: bool | tuple):
   """`modules` (from `_owners`) with whether each keeps its dtype attributes:
   all with True; with selectors, those matching and everything inside them."""
@@ -160,8 +173,8 @@ def _respected(modules: list, respect: bool | tuple):
     and any(_selected(module, path, item) for item in respect or ())
   ]
   for module, config, in_inner_wrap, path in modules:
-    inside = any(path[: len(m)] == m for m in matched)
-    yield module, config, in_inner_wrap, respect is True or inside
+    respected = respect is True or _inside(path, matched)
+    yield module, config, in_inner_wrap, respected
 
 
 def _set_dtype_attributes(module: nnx.Module, policy) -> None:
@@ -290,13 +303,29 @@ def _original_class(cls: type) -> type:
 
 
 def _unconvert(module: nnx.Module) -> None:
+  """Gives `module` back its class as written, and no policy."""
   object.__setattr__(module, "__class__", _original_class(type(module)))
-  object.__delattr__(module, _CONFIG)
+  if _CONFIG in vars(module):
+    object.__delattr__(module, _CONFIG)
+
+
+def _set_fp8(module: nnx.Module, recipe, path: tuple) -> None:
+  """Runs the matmul of `module` (as written) in FP8 with `recipe`, if it is
+  an FP8 layer and `recipe` is not None; otherwise drops a previous wrap's
+  FP8 state."""
+  members = None if recipe is None else fp8_nnx.fp8_members(module)
+  if members is None:
+    fp8_nnx.remove(module)
+    return
+  fp8_nnx.install(module, recipe, "/".join(map(str, path)))
+  cls = _subclass(type(module), "fp8", members)
+  object.__setattr__(module, "__class__", cls)
 
 
 def wrap_arguments(model: nnx.Module) -> dict[str, Any]:
-  """The `overrides`, `methods` and `respect_dtype_fields` that `model` was
-  last wrapped with (empty if it was not), to wrap it again alike."""
+  """The `overrides`, `methods`, `respect_dtype_fields`, `fp8` and
+  `fp8_exclude` that `model` was last wrapped with (empty if it was not), to
+  wrap it again alike."""
   config = getattr(model, _CONFIG, None)
   if config is None or not config.is_root:
     return {}
@@ -308,7 +337,8 @@ def wrap_arguments(model: nnx.Module) -> dict[str, Any]:
 def _convert(
   module: nnx.Module, config: _Config, names: tuple[str, ...] = ()
 ) -> None:
-  cls = _original_class(type(module))
+  """Runs `module` (as written, or an FP8 layer) under `config`'s policy."""
+  cls = type(module)
   methods = {
     name: _policy_method(name, fn)
     for name, fn in _policy_methods(cls, names).items()
@@ -325,6 +355,8 @@ def wrap(
   *,
   methods: Iterable[str] = (),
   respect_dtype_fields: bool | Iterable[type | str] = False,
+  fp8: fp8_recipe.Recipe | str | bool | None = None,
+  fp8_exclude: Iterable[type | str] = (),
 ) -> nnx.Module:
   """Converts `model` in place to run under `policy`, and returns it.
 
@@ -360,13 +392,28 @@ def wrap(
       since Flax casts its inputs and params back; its params are still
       stored in the param dtype and read in the compute dtype (use
       `overrides` for a module that must keep float32 params too).
+    fp8: a `jmp_train.fp8` recipe (`DelayedScaling`, `CurrentScaling`,
+      `BlockwiseScaling`), a recipe name ("delayed", "current", "blockwise")
+      or True (the default, `CurrentScaling()`) to run the matmul of every
+      `nnx.Linear`, `nnx.LinearGeneral` and `nnx.Einsum` inside the model in
+      FP8. Each gets an attribute `fp8_meta`, an `Fp8Meta` variable (not an
+      `nnx.Param`) holding its `jmp_train.fp8.Fp8DotState`, advanced once
+      per step by `update_fp8` (or by `train.make_train_step`); layers built
+      stacked by `nnx.vmap` get one state per layer. Layers given their own
+      `dot_general`, `dot_general_cls` or `einsum_op` keep it. A state kept
+      from an earlier wrap with the same recipe is kept; None or False
+      removes FP8.
+    fp8_exclude: modules kept out of FP8, with everything inside them: module
+      classes, or glob patterns matched against the attribute name and the
+      "/"-joined path (`"head"`, `"blocks/*/attention"`).
 
   Returns:
-    `model` itself: same object, same attributes, same `nnx.state` structure,
-    its float params stored in their owners' param dtypes. `__call__` and the
-    `methods` named apply the policy when called from outside; float arrays
-    among their arguments are cast, other arguments (`nnx.Rngs`,
-    `nnx.Variable`s, modules) are passed as they are.
+    `model` itself: same object, same attributes, same `nnx.state` structure
+    (plus the FP8 layers' `fp8_meta`), its float params stored in their
+    owners' param dtypes. `__call__` and the `methods` named apply the policy
+    when called from outside; float arrays among their arguments are cast,
+    other arguments (`nnx.Rngs`, `nnx.Variable`s, modules) are passed as they
+    are.
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, numpy as np, jmp_train
@@ -400,9 +447,11 @@ def wrap(
     raise TypeError(
       f"methods takes names of the model's methods (str), got {methods!r}."
     )
+  recipe = fp8_recipe.check_recipe(fp8, "fp8")
+  fp8_exclude = _selectors(fp8_exclude, "fp8_exclude")
   respect = respect_dtype_fields
   if not isinstance(respect, bool):
-    respect = _selectors(respect)
+    respect = _selectors(respect, "respect_dtype_fields", "True/False, or ")
   modules = [
     (tuple(path), node)
     for path, node in nnx.iter_graph(model)
@@ -414,11 +463,16 @@ def wrap(
     if getattr(node, _CONFIG, None) is not None
     and getattr(node, _CONFIG).is_root
   ]
+  excluded = [  # kept out of FP8, with everything inside them
+    path
+    for path, node in [((), model), *modules]
+    if any(_selected(node, path, item) for item in fp8_exclude)
+  ]
   for path, node in modules:
-    if any(path[: len(root)] == root for root in inner_roots):
+    if _inside(path, inner_roots):
       continue
-    if getattr(node, _CONFIG, None) is not None:
-      _unconvert(node)  # an override of this model's previous wrap
+    _unconvert(node)  # as written, whatever this model's previous wrap did
+    _set_fp8(node, None if _inside(path, excluded) else recipe, path)
     override = policy_lib.find_override(node, table)
     if override is not None:
       _, sub_policy, to_enclosing = override
@@ -427,7 +481,11 @@ def wrap(
     ("overrides", tuple((overrides or {}).items())),
     ("methods", methods),
     ("respect_dtype_fields", respect),
+    ("fp8", recipe),
+    ("fp8_exclude", fp8_exclude),
   )
+  _unconvert(model)
+  _set_fp8(model, None if _inside((), excluded) else recipe, ())
   _convert(model, _Config(policy, False, True, arguments), methods)
   modules, params = _owners(model)
   for module, config, in_inner_wrap, respected in _respected(modules, respect):
