@@ -454,6 +454,8 @@ def test_fp8_metadata_advances_in_the_state_and_holds_on_a_skipped_step(
   data[2]["x"][0, 0] = np.inf
   tx = jmp_train.mixed_precision(optax.sgd(0.01))
   runs = {}
+  with pytest.raises(ValueError, match="model_state holds FP8 state"):
+    train.TrainState.create(params=params, tx=tx, model_state=variables)
   for name, plan in (
     ("one", None),
     ("zero1", zero1.make_plan(tx, params, _models.mesh())),

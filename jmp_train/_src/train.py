@@ -113,6 +113,8 @@ class TrainState:
         key=key,
       )
 
+    for name, tree in (("params", params), ("model_state", model_state)):
+      _refuse_fp8_state(tree, name)
     args = (params, {} if model_state is None else model_state)
     args += ({} if fp8 is None else fp8, key)
     if plan is not None and distributed.spans_processes(plan.mesh):
@@ -135,6 +137,22 @@ class TrainState:
     return jax.jit(
       lambda *a: zero1.laid_out(plan, build(*a)), out_shardings=shardings
     )(*args)
+
+
+def _refuse_fp8_state(tree: Any, name: str) -> None:
+  """FP8 state outside `fp8=` would never advance, or be overwritten."""
+  found = jax.tree_util.tree_flatten_with_path(
+    tree, is_leaf=fp8_lib.is_fp8_state
+  )[0]
+  paths = [leaves.keystr(p) for p, x in found if fp8_lib.is_fp8_state(x)]
+  if paths:
+    raise ValueError(
+      f"{name} holds FP8 state at {paths[:3]}: pass the FP8 state as "
+      "TrainState.create(fp8=...) (linen: variables['fp8_meta']; NNX: the "
+      "jmp_train.nnx.Fp8Meta state), where the step advances it once per "
+      "applied step. Elsewhere it would never advance, or the forward pass's "
+      "copy would overwrite it."
+    )
 
 
 def _has_mixed_precision(opt_state: Any) -> bool:
