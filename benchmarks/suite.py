@@ -52,6 +52,7 @@ CPU_JOBS = {
   "zero1": "zero1.py",
   "compile": "compile_time.py",
   "fp8": "fp8.py --accuracy",
+  "fp8-gpt": "fp8.py --gpt --steps 400 --seeds 0,1,2",
   "gpt": "gpt_compare.py --chart docs/gpt-compare.png",
   "multihost": "multihost.py",
   "lean-memory": "lean_state.py memory",
@@ -62,7 +63,7 @@ CPU_JOBS = {
 GPU_JOBS = {
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
-  "fp8-matmul": "fp8.py --matmul --sizes 4096,8192 --rounds 10",
+  "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",
   "overhead-gpu": "overhead.py --batch 16384 --steps 100",
   "overhead-gpu-update": "overhead.py --update-only --steps 100",
   "overhead-gpu-study": "overhead.py --study --batch 16384 --steps 100",
@@ -81,7 +82,9 @@ CPU_QUICK = {
   "zero1": "zero1.py --layers 1 --d-model 32 --vocab 64 --seq 8 --batch 8"
   " --rounds 2",
   "compile": "compile_time.py --layers 1 --d-model 32 --seq 16 --rounds 1",
-  "fp8": "fp8.py --accuracy --epochs 1",
+  "fp8": "fp8.py --accuracy --epochs 1 --models mlp --presets bf16-mixed",
+  "fp8-gpt": "fp8.py --gpt --steps 6 --layers 1 --d-model 32 --seq-len 16"
+  " --eval-every 3 --text-bytes 100000",
   "gpt": "gpt_compare.py --steps 6 --layers 1 --d-model 32 --seq-len 16"
   " --eval-every 3 --text-bytes 100000",
   "multihost": "multihost.py --layers 1 --d-model 32 --seq-len 16 --batch 8"

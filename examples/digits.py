@@ -4,8 +4,9 @@
   python examples/digits.py --preset bf16-true     # bf16 params + FP32 master weights
   python examples/digits.py --preset fp32 --epochs 10
   python examples/digits.py --model mlp --preset bf16-fp8-mixed   # FP8 matmuls
+  python examples/digits.py --model mlp --preset bf16-mixed --fp8 blockwise
 
-Writes runs/digits-<preset>[-mlp]/metrics.json and curves.png.
+Writes runs/digits-<preset>[-fp8-<recipe>][-mlp]/metrics.json and curves.png.
 The data ships with scikit-learn: nothing is downloaded.
 """
 
@@ -29,6 +30,17 @@ import jmp_train
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+# --fp8 names: the jmp_train.fp8 recipes at their defaults ("default" is
+# what `linen.wrap(fp8=True)` and the fp8 presets use), and "off".
+FP8_RECIPES = {
+  "default": jmp_train.fp8.DEFAULT_RECIPE,
+  "delayed": jmp_train.fp8.DelayedScaling(),
+  "current": jmp_train.fp8.CurrentScaling(),
+  "current-pow2": jmp_train.fp8.CurrentScaling(power_of_two_scales=True),
+  "blockwise": jmp_train.fp8.BlockwiseScaling(),
+  "off": None,
+}
 
 
 def parse_args(argv=None):
@@ -60,10 +72,18 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="output folder")
   p.add_argument(
+    "--fp8",
+    nargs="?",
+    const="default",
+    choices=list(FP8_RECIPES),
+    help="FP8 matmuls (head excluded) with this recipe; alone: the default "
+    "recipe; without it: the preset's (FP8 for the fp8 presets only)",
+  )
+  p.add_argument(
     "--fp8-history",
     type=int,
     default=None,
-    help="amax history length for fp8 presets (default: the preset's)",
+    help="amax history length of delayed scaling (default: the recipe's)",
   )
   return p.parse_args(argv)
 
@@ -97,7 +117,8 @@ class MLP(nn.Module):
 
 def main(argv=None):
   args = parse_args(argv)
-  name = f"digits-{args.preset}" + ("-mlp" if args.model == "mlp" else "")
+  name = f"digits-{args.preset}" + (f"-fp8-{args.fp8}" if args.fp8 else "")
+  name += "-mlp" if args.model == "mlp" else ""
   out_dir = pathlib.Path(args.out) / name
   out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -125,10 +146,15 @@ def main(argv=None):
       preset.loss_scale, loss_scale=args.init_scale, period=args.growth_interval
     )
     preset = dataclasses.replace(preset, loss_scale=loss_scale)
-  recipe = preset.fp8
-  if recipe is not None and args.fp8_history is not None:
+  recipe = preset.fp8 if args.fp8 is None else FP8_RECIPES[args.fp8]
+  if args.fp8_history is not None:
+    if not isinstance(recipe, jmp_train.fp8.DelayedScaling):
+      raise SystemExit(
+        f"--fp8-history {args.fp8_history} sets delayed scaling's amax "
+        f"history; the FP8 recipe here is {recipe!r}: add --fp8 delayed."
+      )
     recipe = dataclasses.replace(recipe, amax_history_len=args.fp8_history)
-  # FP8 presets run every matmul but the output head in FP8.
+  # With FP8 (an fp8 preset or --fp8), every matmul but the output head.
   model = jmp_train.linen.wrap(
     {"cnn": CNN, "mlp": MLP}[args.model](),
     preset.policy,
@@ -191,7 +217,8 @@ def main(argv=None):
   rng = np.random.default_rng(args.seed)
   history, evals = [], []
   start = time.perf_counter()
-  bar = tqdm(range(total_steps), desc=f"digits {args.preset}", unit="step")
+  desc = f"digits {args.preset}" + (f" fp8 {args.fp8}" if args.fp8 else "")
+  bar = tqdm(range(total_steps), desc=desc, unit="step")
   for step in bar:
     if step % steps_per_epoch == 0:
       order = rng.permutation(len(x_train))
@@ -217,7 +244,11 @@ def main(argv=None):
     "preset": args.preset,
     "model": args.model,
     "policy": str(preset.policy),
-    "fp8": dataclasses.asdict(recipe) if recipe else None,
+    "fp8": (
+      {"recipe": type(recipe).__name__, **dataclasses.asdict(recipe)}
+      if recipe
+      else None
+    ),
     "config": vars(args),
     "steps": total_steps,
     "seconds": round(seconds, 2),

@@ -3,7 +3,8 @@
   python examples/gpt.py                              # bf16-mixed, one device
   python examples/gpt.py --preset fp16-mixed          # loss scaling at work
   python examples/gpt.py --zero1 --accum 2            # ZeRO-1 on 8 virtual CPU devices
-  python examples/gpt.py --preset bf16-mixed --fp8    # FP8 matmuls (head excluded)
+  python examples/gpt.py --fp8                        # FP8 matmuls (head excluded)
+  python examples/gpt.py --fp8 delayed                # ... with another recipe
   python examples/gpt.py --compare fp32,bf16-mixed,fp16-mixed   # one chart
 
 The text is the .py files next to the `os` module (Python's own library), read
@@ -57,6 +58,16 @@ import jmp_train
 from jmp_train import distributed, monitor, train, zero1
 
 ZERO1_DEVICES = 8
+# --fp8 names: the jmp_train.fp8 recipes at their defaults ("default" is
+# what `linen.wrap(fp8=True)` and the fp8 presets use), and "off".
+FP8_RECIPES = {
+  "default": jmp_train.fp8.DEFAULT_RECIPE,
+  "delayed": jmp_train.fp8.DelayedScaling(),
+  "current": jmp_train.fp8.CurrentScaling(),
+  "current-pow2": jmp_train.fp8.CurrentScaling(power_of_two_scales=True),
+  "blockwise": jmp_train.fp8.BlockwiseScaling(),
+  "off": None,
+}
 
 
 def parse_args(argv=None):
@@ -88,7 +99,12 @@ def parse_args(argv=None):
     "--accum", type=int, default=1, help="micro-batches per step (float32)"
   )
   p.add_argument(
-    "--fp8", action="store_true", help="FP8 matmuls (delayed scaling)"
+    "--fp8",
+    nargs="?",
+    const="default",
+    choices=list(FP8_RECIPES),
+    help="FP8 matmuls (head excluded) with this recipe; alone: the default "
+    "recipe; without it: the preset's (FP8 for the fp8 presets only)",
   )
   p.add_argument(
     "--init-scale",
@@ -169,9 +185,9 @@ def run_preset(args, preset_name, text, out_dir):
       preset.loss_scale, loss_scale=args.init_scale, period=args.growth_interval
     )
     preset = dataclasses.replace(preset, loss_scale=loss_scale)
-  if args.fp8 and preset.fp8 is None:
-    preset = dataclasses.replace(preset, fp8=jmp_train.fp8.DEFAULT_RECIPE)
-  # Every matmul but the output head in FP8 (with --fp8 or an fp8 preset).
+  if args.fp8 is not None:
+    preset = dataclasses.replace(preset, fp8=FP8_RECIPES[args.fp8])
+  # Every matmul but the output head in FP8 (an fp8 preset or --fp8).
   model = jmp_train.linen.wrap(
     GPT(args.layers, args.d_model, args.heads, args.seq_len),
     preset.policy,
@@ -323,7 +339,11 @@ def run_preset(args, preset_name, text, out_dir):
   summary = {
     "preset": preset_name,
     "policy": str(preset.policy),
-    "fp8": dataclasses.asdict(preset.fp8) if preset.fp8 else None,
+    "fp8": (
+      {"recipe": type(preset.fp8).__name__, **dataclasses.asdict(preset.fp8)}
+      if preset.fp8
+      else None
+    ),
     "config": {k: v for k, v in vars(args).items() if k != "presets"},
     "devices": plan.mesh.size if plan else 1,
     "processes": processes,
@@ -441,8 +461,8 @@ def main(argv=None):
     mode.append(f"{jax.process_count()} processes")
   if args.accum > 1:
     mode.append(f"accum {args.accum}")
-  if args.fp8:
-    mode.append("fp8")
+  if args.fp8 not in (None, "off"):
+    mode.append(f"fp8 {args.fp8}")
   title = (
     f"char GPT ({args.layers}x{args.d_model}, {len(text) / 1e6:.1f} MB of "
     f"stdlib source){', ' + ', '.join(mode) if mode else ''}"

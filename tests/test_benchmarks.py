@@ -113,9 +113,46 @@ def test_verdicts_are_computed_from_the_numbers():
       "rows": [row],
     }
     assert verdict(gpt2.table({"gpt2": result}), "45% MFU") == want
-  for fp8_acc, want in ((0.975, "met"), (0.965, "not met")):
-    result = {"accuracy": [{"model": "mlp", "bf16": 0.98, "fp8": fp8_acc}]}
-    assert verdict(fp8.accuracy_table({"fp8": result}), "Goal") == want
+  # FP8: digits within 1 point of no FP8, the GPT's mean over seeds within
+  # 0.02 of it (here seed 1's difference is 0.01).
+  for acc, loss, want in (
+    (0.975, 2.029, "met"),
+    (0.965, 2.029, "not met"),
+    (0.975, 2.031, "not met"),
+  ):
+    digits_rows = [
+      {"model": "mlp", "preset": "bf16-mixed", "accuracy": {"off": 0.98}},
+      {"model": "cnn", "preset": "bf16-mixed", "accuracy": {"off": 0.99}},
+    ]
+    digits_rows[0]["accuracy"]["blockwise"] = acc
+    digits_rows[1]["accuracy"]["blockwise"] = 0.99
+    config = dict(steps=4, layers=1, d_model=8, batch_size=2, seq_len=4)
+    runs = [
+      dict(fp8=recipe, seed=seed, final_val_loss=val, skipped_steps=0)
+      for recipe, seed, val in (
+        ("off", 0, 2.0),
+        ("blockwise", 0, loss),
+        ("off", 1, 3.0),
+        ("blockwise", 1, 3.01),
+      )
+    ]
+    result = {
+      "accuracy": {"epochs": 1, "seed": 0, "rows": digits_rows},
+      "gpt": {"preset": "bf16-mixed", "config": config, "runs": runs},
+    }
+    text = fp8.accuracy_table({"fp8": result})
+    # The GPT table's row, then the per-recipe verdict's.
+    _, row = [r for r in text.split("\n") if r.startswith("| blockwise | ")]
+    assert re.search(r"\*\*(met|not met)\*\*", row)[1] == want
+  for speedup, want in ((1.31, "met"), (1.29, "not met")):
+    rows = [
+      {"n": n, "flops": 6 * n**3, "ms": {"bf16": 1.0, "current": 1 / speedup}}
+      | {"speedup_over_bf16": {"current": speedup}}
+      for n in (8, 16)
+    ]
+    result = {"device": "H100", "rounds": 2, "matmul": rows}
+    text = fp8.matmul_table({"fp8-matmul": result})
+    assert verdict(text, "at the largest size, n = 16") == want
   results, _, _ = saved_results()
   z = results["zero1"]
   assert verdict(zero1.bytes_table({"zero1": z}), "Goal") == "met"
@@ -152,14 +189,18 @@ def test_overhead_benchmark_runs_and_renders(capsys):
   assert "| optimizer update only | CPU |" in overhead.masters_table(results)
 
 
-def test_fp8_benchmark_runs(capsys):
+def test_fp8_matmul_benchmark_runs_every_recipe(capsys):
   result = fp8.main(
-    ["--matmul", "--sizes", "64", "--rounds", "2", "--warmup", "1"]
+    ["--matmul", "--sizes", "32", "--rounds", "2", "--warmup", "1"]
   )
   (row,) = result["matmul"]
-  assert row["n"] == 64 and row["bf16_ms"] > 0 and row["fp8_ms"] > 0
-  assert "| 64 |" in capsys.readouterr().out
-  assert "at n = 64" in fp8.matmul_table({"fp8-matmul": result})
+  assert row["n"] == 32 and list(row["ms"]) == ["bf16", *fp8.RECIPES]
+  assert all(t > 0 for t in row["ms"].values())
+  assert list(row["speedup_over_bf16"]) == list(fp8.RECIPES)
+  out = capsys.readouterr().out
+  for name in fp8.RECIPES:
+    assert f"| 32 | {name} |" in out
+  assert "n = 32: delayed " in fp8.matmul_table({"fp8-matmul": result})
 
 
 def test_compile_time_benchmark_runs_and_renders(tmp_path):

@@ -63,6 +63,21 @@ def test_fp8_mlp_trains_to_within_one_point_of_bf16(tmp_path):
   assert "fp8_input_scale_max" not in bf16["history"][-1]
 
 
+def test_digits_fp8_flag_picks_the_recipe(tmp_path):
+  main = load("examples/digits.py")["main"]
+  flags = ["--model", "mlp", "--preset", "bf16-mixed", "--max-steps", "20"]
+  flags += ["--out", str(tmp_path)]
+  run = main([*flags, "--fp8", "delayed", "--fp8-history", "4"])
+  assert run["fp8"]["recipe"] == "DelayedScaling"
+  assert run["fp8"]["amax_history_len"] == 4
+  assert (tmp_path / "digits-bf16-mixed-fp8-delayed-mlp").is_dir()
+  # The history length belongs to delayed scaling alone.
+  with pytest.raises(SystemExit, match="--fp8-history 4 .* --fp8 delayed"):
+    main([*flags, "--fp8", "blockwise", "--fp8-history", "4"])
+  with pytest.raises(SystemExit):  # argparse: not a recipe name
+    main([*flags, "--fp8", "hybrid"])
+
+
 def test_readme_quick_start_runs():
   readme = (ROOT / "README.md").read_text()
   start = readme.index("<!-- quick-start -->")

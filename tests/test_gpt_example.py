@@ -11,7 +11,7 @@ import _mp_child
 import gpt
 import numpy as np
 
-from jmp_train import distributed
+from jmp_train import distributed, fp8
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = [
@@ -50,7 +50,8 @@ def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
   out = tmp_path / "one" / "gpt-fp16-mixed"
   saved = json.loads((out / "metrics-fp16-mixed.json").read_text())
   assert saved["devices"] == 8 and saved["processes"] == 1
-  assert saved["fp8"]["format"] == "hybrid"
+  # --fp8 alone: the default recipe.
+  assert saved["fp8"]["recipe"] == type(fp8.DEFAULT_RECIPE).__name__
   assert saved["config"]["accum"] == 2 and saved["param_dtypes"] == ["float32"]
   check_trained(saved)
   assert [e["step"] for e in saved["evals"]] == [12, 24]
@@ -104,7 +105,7 @@ def test_gpt_example_one_device_step_written_out(tmp_path):
   # The hand-written step: scaled loss, jax.grad, tx.update, apply_updates.
   (run,) = gpt.main(
     [
-      *("--preset", "fp16-mixed", "--fp8", "--steps", "20", *TINY),
+      *("--preset", "fp16-mixed", "--fp8", "delayed", "--steps", "20", *TINY),
       *("--growth-interval", "4", "--eval-every", "10", "--out", str(tmp_path)),
     ]
   )
@@ -112,7 +113,7 @@ def test_gpt_example_one_device_step_written_out(tmp_path):
     (tmp_path / "gpt-fp16-mixed" / "metrics-fp16-mixed.json").read_text()
   )
   assert saved == json.loads(json.dumps(run))
-  assert saved["devices"] == 1 and saved["fp8"]["format"] == "hybrid"
+  assert saved["devices"] == 1 and saved["fp8"]["recipe"] == "DelayedScaling"
   assert saved["param_dtypes"] == ["float32"]
   check_trained(saved)
 
