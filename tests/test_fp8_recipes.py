@@ -600,3 +600,26 @@ def _check_wrapped(name, x, v, outputs, layer):
     want = _blockwise_reference(case, x, kernel, g, 4, True)["y"]
   assert out.dtype == jnp.bfloat16
   assert_matches(out, *want, out_rtol=2.0**-8)  # rounded to bfloat16
+
+
+def test_review_cases_refused_or_saturated():
+  # A finite value whose scaled product overflows float32 saturates at the
+  # FP8 maximum (the written rule); only inf and NaN stay non-finite.
+  from jmp_train._src import fp8_dot, fp8_recipe
+
+  x = jnp.array([10.0, -10.0, jnp.inf, jnp.nan], jnp.float32)
+  q = fp8_recipe.quantize(x, jnp.float32(5.7e37), jnp.float8_e5m2)
+  got = np.asarray(q.astype(jnp.float32))
+  np.testing.assert_array_equal(got[:3], [57344.0, -57344.0, np.inf])
+  assert np.isnan(got[3])
+  # Implicit-output or ellipsis einsums are refused by name.
+  dot = jax.lax.dot_general
+  for eq in ("ij,jk", "...j,jk->...k", "ij,jk->iz"):
+    with pytest.raises(ValueError, match="accepted is an explicit"):
+      fp8_dot.einsum(eq, jnp.ones((2, 3)), jnp.ones((3, 4)), dot)
+  # State of one recipe applied by a module of another is refused.
+  model = jmp_train.linen.wrap(nn.Dense(3), "f32", fp8="current")
+  variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+  other = jmp_train.linen.wrap(nn.Dense(3), "f32", fp8="delayed")
+  with pytest.raises(ValueError, match="was given state of recipe"):
+    other.apply(variables, jnp.ones((2, 4)))

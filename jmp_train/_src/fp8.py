@@ -116,7 +116,8 @@ def step_state(state: Fp8DotState, amax: jax.Array) -> Fp8DotState:
   """
   recipe = state.recipe
   if recipe.statistics:
-    state = state.replace(fractions=amax[..., 1:])
+    # A sum over calls (a layer reused where no max chain runs) can pass 1.
+    state = state.replace(fractions=jnp.minimum(amax[..., 1:], 1.0))
     amax = amax[..., 0]
   history = roll_amax_history(state.amax_history, amax)
   fp8_max = jnp.asarray(recipe.fp8_max, jnp.float32)

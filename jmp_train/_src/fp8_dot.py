@@ -234,12 +234,20 @@ def einsum(equation: str, lhs: jax.Array, rhs: jax.Array, dot) -> jax.Array:
   are summed out first; an ellipsis or a repeated letter is refused.
   """
   eq = equation.replace(" ", "")
-  inputs, _, out = eq.partition("->")
+  inputs, arrow, out = eq.partition("->")
   a, _, b = inputs.partition(",")
-  if "." in eq or any(len(set(s)) != len(s) for s in (a, b, out)):
+  if (
+    not arrow
+    or inputs.count(",") != 1
+    or "." in eq
+    or any(len(set(s)) != len(s) for s in (a, b, out))
+    or any(c not in a + b for c in out)
+  ):
     raise ValueError(
-      f"FP8 einsum equation {equation!r}: write every axis as a letter, each "
-      "once per operand (no '...' and no repeated letters)."
+      f"FP8 einsum equation {equation!r}: accepted is an explicit "
+      "two-operand equation 'ab,bc->ac', every axis a letter, each once per "
+      "operand, every output letter in an input (no '...', no implicit "
+      "output)."
     )
   # Axes of one operand that neither the other nor the output has: sum them.
   for name, x, letters, other in (("lhs", lhs, a, b), ("rhs", rhs, b, a)):

@@ -89,6 +89,13 @@ class Fp8DotGeneral(nn.Module):
     var = self.variable(COLLECTION, "fp8", init_state, self.recipe)
     n = _call_index(self)
     state = var.value
+    if state.recipe != self.recipe:
+      raise ValueError(
+        f"FP8 matmul {'/'.join(self.path)} was given state of recipe "
+        f"{state.recipe!r} but runs recipe {self.recipe!r}: init the model "
+        "with the recipe it runs (or build its state with "
+        "jmp_train.fp8.init_state(recipe))."
+      )
     if n >= len(state.amax):
       if not (
         self.is_initializing() and self.is_mutable_collection(COLLECTION)

@@ -294,11 +294,14 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   """`x * scale` cast to `dtype`; finite values saturate, inf/NaN stay so.
 
   `scale` broadcasts against `x`; the product is taken in float32 and
-  rounded to nearest even.
+  rounded to nearest even. A finite product beyond the FP8 range, or one
+  that overflows float32, saturates at +-fp8_max.
   """
   fp8_max = FP8_MAX[np.dtype(dtype)]
   y = x.astype(jnp.float32) * scale
-  y = jnp.where(jnp.isfinite(y), jnp.clip(y, -fp8_max, fp8_max), y)
+  # A finite x whose product overflows float32 saturates too: only inf and
+  # NaN inputs stay non-finite.
+  y = jnp.where(jnp.isfinite(x), jnp.clip(y, -fp8_max, fp8_max), y)
   return y.astype(dtype)
 
 
@@ -307,12 +310,13 @@ def cast_fractions(
 ) -> jax.Array:
   """float32[2]: the fractions of `x` saturated and flushed by its cast.
 
-  Saturated: finite values with |x * scale| > fp8_max, over all values.
+  Saturated: finite values with |x * scale| > fp8_max (the product may
+  overflow float32), over all values.
   Flushed: non-zero finite values whose FP8 value `q` is zero, over the
   non-zero values (0 when there are none).
   """
   y = x.astype(jnp.float32) * scale
-  finite = jnp.isfinite(y)
+  finite = jnp.isfinite(x)
   saturated = jnp.sum(finite & (jnp.abs(y) > fp8_max), dtype=jnp.float32)
   nonzero = finite & (x != 0)
   flushed = jnp.sum(nonzero & (q.astype(jnp.float32) == 0), dtype=jnp.float32)

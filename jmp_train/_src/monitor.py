@@ -216,10 +216,17 @@ def fp8_statistics(fp8_tree: Any) -> dict[str, jax.Array]:
 
 
 def _matmul_path(path) -> str:
-  """The layer's path: the state's tree path less the FP8 matmul's names."""
+  """The layer's path: the state's tree path less the FP8 matmul's names.
+
+  linen: `.../Dense_0/Fp8DotGeneral_0/fp8`; NNX: `.../dense/fp8_meta` (and
+  `/value` after it in an `nnx.State`).
+  """
   parts = leaves.keystr(path).split("/")
+  if parts[-2:] == ["fp8_meta", "value"]:
+    parts.pop()
   while parts and (
-    parts[-1] in ("fp8", "") or re.fullmatch(r"Fp8DotGeneral_\d+", parts[-1])
+    parts[-1] in ("fp8", "fp8_meta", "")
+    or re.fullmatch(r"Fp8DotGeneral_\d+", parts[-1])
   ):
     parts.pop()
   return "/".join(parts)

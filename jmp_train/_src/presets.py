@@ -30,10 +30,11 @@ with less beside them; bytes per param with Adam on one device, gradients
 FP8 states have one float32 scale per 128 values (and one exponent with range
 expansion). ZeRO-1 divides everything but the params and gradients by N.
 
-The fp8 presets are NeMo's `bf16_with_fp8_mixed` / `fp16_with_fp8_mixed`:
-the mixed policy plus Transformer Engine's default delayed-scaling recipe
-(`Fp8Recipe()`: hybrid E4M3/E5M2, margin 0, 1024-step history, "max"). Pass
-`preset.fp8` to `jmp_train.linen.wrap(..., fp8=preset.fp8)`.
+The fp8 presets are NeMo's `bf16_with_fp8_mixed` / `fp16_with_fp8_mixed`
+precisions with current scaling (`CurrentScaling()`: hybrid E4M3/E5M2, each
+tensor's scale from its own amax) in place of NeMo's delayed recipe (README,
+"Presets", says why). Pass `preset.fp8` to
+`jmp_train.linen.wrap(..., fp8=preset.fp8)` or `jmp_train.nnx.wrap`.
 
 A preset is a frozen dataclass: adjust one with `dataclasses.replace`, e.g.
 `dataclasses.replace(preset, param_update=StochasticRounding(seed=0))`, or
