@@ -623,3 +623,39 @@ def test_review_cases_refused_or_saturated():
   other = jmp_train.linen.wrap(nn.Dense(3), "f32", fp8="delayed")
   with pytest.raises(ValueError, match="was given state of recipe"):
     other.apply(variables, jnp.ones((2, 4)))
+
+
+@pytest.mark.parametrize(
+  "build, error, match",
+  [
+    (
+      lambda: fp8.CurrentScaling(format="e5m2"),
+      ValueError,
+      "Unknown FP8 format 'e5m2'",
+    ),
+    (
+      lambda: fp8.CurrentScaling(power_of_two_scales=1),
+      TypeError,
+      "power_of_two_scales .* got 1",
+    ),
+    (
+      lambda: fp8.BlockwiseScaling(block_size=0),
+      ValueError,
+      "block_size .* got 0",
+    ),
+    (lambda: fp8.BlockwiseScaling(block_size=True), ValueError, "got True"),
+    (
+      lambda: fp8.BlockwiseScaling(statistics="yes"),
+      TypeError,
+      "statistics .* got 'yes'",
+    ),
+    (
+      lambda: fp8.DelayedScaling(statistics=None),
+      TypeError,
+      "statistics .* None",
+    ),
+  ],
+)
+def test_bad_recipe_settings_are_refused_by_name(build, error, match):
+  with pytest.raises(error, match=match):
+    build()

@@ -197,6 +197,17 @@ def fp8_dot_general(
   out_dtype = np.dtype(
     preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   )
+  if isinstance(recipe, BlockwiseScaling):
+    return fp8_block.block_dot_general(
+      lhs,
+      rhs,
+      _canonical(dimension_numbers),
+      amax=amax,
+      block_size=recipe.block_size,
+      power_of_two_scales=recipe.power_of_two_scales,
+      out_dtype=out_dtype,
+      statistics=recipe.statistics,
+    )
   cfg = _DotConfig(
     _canonical(dimension_numbers),
     recipe.forward_dtype,
@@ -208,17 +219,6 @@ def fp8_dot_general(
     getattr(recipe, "power_of_two_scales", False),
     recipe.statistics,
   )
-  if isinstance(recipe, BlockwiseScaling):
-    return fp8_block.block_dot_general(
-      lhs,
-      rhs,
-      cfg.dimension_numbers,
-      amax=amax,
-      block_size=recipe.block_size,
-      power_of_two_scales=recipe.power_of_two_scales,
-      out_dtype=out_dtype,
-      statistics=recipe.statistics,
-    )
   return _fp8_dot(cfg, lhs, rhs, scale, amax)
 
 

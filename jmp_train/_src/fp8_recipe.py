@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_train._src import leaves
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -51,16 +53,6 @@ def _check_format(value: Any) -> None:
       f"Unknown FP8 format {value!r}: accepted formats are "
       f"{', '.join(map(repr, FORMATS))}."
     )
-
-
-def _check_bool(name: str, value: Any) -> None:
-  if not isinstance(value, bool):
-    raise ValueError(f"{name} must be True or False, got {value!r}.")
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
 
 
 class _Formats:
@@ -121,9 +113,9 @@ class DelayedScaling(_Formats):
         f"Unknown amax_compute_algo {self.amax_compute_algo!r}: accepted "
         f"values are {', '.join(map(repr, AMAX_COMPUTE_ALGOS))}."
       )
-    _check_int("margin", self.margin, 0)
-    _check_int("amax_history_len", self.amax_history_len, 1)
-    _check_bool("statistics", self.statistics)
+    leaves.check_int(self.margin, "margin", 0)
+    leaves.check_int(self.amax_history_len, "amax_history_len", 1)
+    leaves.check_bool(self.statistics, "statistics")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +145,8 @@ class CurrentScaling(_Formats):
 
   def __post_init__(self):
     _check_format(self.format)
-    _check_bool("power_of_two_scales", self.power_of_two_scales)
-    _check_bool("statistics", self.statistics)
+    leaves.check_bool(self.power_of_two_scales, "power_of_two_scales")
+    leaves.check_bool(self.statistics, "statistics")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +178,9 @@ class BlockwiseScaling(_Formats):
   statistics: bool = False
 
   def __post_init__(self):
-    _check_int("block_size", self.block_size, 1)
-    _check_bool("power_of_two_scales", self.power_of_two_scales)
-    _check_bool("statistics", self.statistics)
+    leaves.check_int(self.block_size, "block_size", 1)
+    leaves.check_bool(self.power_of_two_scales, "power_of_two_scales")
+    leaves.check_bool(self.statistics, "statistics")
 
   @property
   def format(self) -> str:
