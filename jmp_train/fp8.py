@@ -2,8 +2,9 @@
 
 The recipes and their scale rules (`DelayedScaling`, `CurrentScaling`,
 `BlockwiseScaling`), the per-matmul state and its update (`Fp8DotState`,
-`update`), the FP8 matmuls (`fp8_dot_general`, `block_dot_general`) and the
-Flax modules (`Fp8DotGeneral`, `Einsum`). The state lives in the "fp8_meta"
+`update`), weights stored in FP8 (`Fp8Param`, `cast_params`,
+`with_grad_slots`, `grads_of`), the FP8 matmuls (`fp8_dot_general`,
+`block_dot_general`) and the Flax modules (`Fp8DotGeneral`, `Einsum`). The state lives in the "fp8_meta"
 collection, beside the params; a train step differentiates the loss with
 respect to it and calls `update` once per step.
 """
@@ -31,6 +32,15 @@ from jmp_train._src.fp8_check import (
 )
 from jmp_train._src.fp8_dot import fp8_dot_general
 from jmp_train._src.fp8_linen import Einsum, Fp8DotGeneral
+from jmp_train._src.fp8_param import (
+  Fp8Param,
+  Fp8ParamWithGrad,
+  cast_param,
+  cast_params,
+  grads_of,
+  is_fp8_param,
+  with_grad_slots,
+)
 from jmp_train._src.fp8_recipe import (
   AMAX_COMPUTE_ALGOS,
   DEFAULT_RECIPE,
@@ -66,10 +76,14 @@ __all__ = [
   "Einsum",
   "Fp8DotGeneral",
   "Fp8DotState",
+  "Fp8Param",
+  "Fp8ParamWithGrad",
   "Fp8Recipe",
   "Matmul",
   "Recipe",
   "block_dot_general",
+  "cast_param",
+  "cast_params",
   "check_fp8",
   "combined_amax",
   "compiled_matmuls",
@@ -78,11 +92,14 @@ __all__ = [
   "delayed_scale",
   "fp8_layers",
   "fp8_dot_general",
+  "grads_of",
   "init_state",
+  "is_fp8_param",
   "is_fp8_state",
   "matmuls",
   "roll_amax_history",
   "scales",
   "step_state",
   "update",
+  "with_grad_slots",
 ]

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from jmp_train._src import fp8_block
+from jmp_train._src.fp8_param import Fp8Param, Fp8ParamWithGrad
 from jmp_train._src.fp8_recipe import (
   DEFAULT_RECIPE,
   FP8_MAX,
@@ -149,6 +150,72 @@ def _fp8_dot_bwd(cfg, res, g):
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _param_dot(cfg: _DotConfig, lhs, rhs: Fp8Param, scale, amax):
+  return _param_dot_fwd(cfg, lhs, rhs, scale, amax)[0]
+
+
+def _param_dot_fwd(cfg, lhs, rhs, scale, amax):
+  """`_fp8_dot_fwd` with a kernel already in FP8 (an `Fp8Param`)."""
+  del amax  # only its gradient matters
+  amax_lhs = _amax(lhs)
+  s_lhs = _scale_of(cfg, amax_lhs, scale[0], cfg.forward_dtype)
+  q_lhs = _quantize(lhs, s_lhs, cfg.forward_dtype)
+  q_rhs, inv_rhs = rhs.values, rhs.scale_inv
+  y = lax.dot_general(
+    q_lhs, q_rhs, cfg.dimension_numbers, preferred_element_type=jnp.float32
+  )
+  y = (y * (1.0 / s_lhs) * inv_rhs).astype(cfg.out_dtype)
+  sent_lhs = _channel(cfg, amax_lhs, lhs, s_lhs, q_lhs, cfg.forward_dtype)
+  # The weight's amax, from its FP8 values (exact: they were cast with a
+  # power-of-two scale, and none saturated).
+  sent_rhs = _amax(q_rhs) * inv_rhs
+  return y, (q_lhs, q_rhs, s_lhs, inv_rhs, scale, sent_lhs, sent_rhs, rhs)
+
+
+def _param_dot_bwd(cfg, res, g):
+  q_lhs, q_rhs, s_lhs, inv_rhs, scale, sent_lhs, sent_rhs, rhs = res
+  if not isinstance(rhs, Fp8ParamWithGrad):
+    raise ValueError(
+      "An FP8 matmul was differentiated through an Fp8Param kernel that has "
+      "no gradient slot, so the kernel's gradient would be lost: "
+      "differentiate with respect to "
+      "jmp_train.fp8.with_grad_slots(params) and read the gradients with "
+      "jmp_train.fp8.grads_of(grads) (the train step does both)."
+    )
+  amax_g = _amax(g)
+  s_g = _scale_of(cfg, amax_g, scale[2], cfg.backward_dtype)
+  q_g = _quantize(g, s_g, cfg.backward_dtype)
+  sent_g = _channel(cfg, amax_g, g, s_g, q_g, cfg.backward_dtype)
+  inv_g = 1.0 / s_g
+  d_lhs = (
+    _transpose(q_g, q_rhs, cfg.dimension_numbers, q_lhs.ndim, of_lhs=True)
+    * inv_g
+    * inv_rhs
+  )
+  d_rhs = (
+    _transpose(q_g, q_lhs, cfg.dimension_numbers, q_rhs.ndim, of_lhs=False)
+    * inv_g
+    * (1.0 / s_lhs)
+  )
+  amaxes = jnp.stack([sent_lhs, sent_rhs, sent_g])
+  d_kernel = Fp8ParamWithGrad(
+    data=np.zeros(rhs.data.shape, jax.dtypes.float0),
+    exponent=np.zeros((), jax.dtypes.float0),
+    grad_dtype=rhs.grad_dtype,
+    grad=d_rhs.astype(rhs.grad.dtype),
+  )
+  return (
+    d_lhs.astype(cfg.lhs_dtype),
+    d_kernel,
+    jnp.zeros_like(scale),
+    amaxes,
+  )
+
+
+_param_dot.defvjp(_param_dot_fwd, _param_dot_bwd)
+
+
 def _canonical(dimension_numbers) -> tuple:
   (lc, rc), (lb, rb) = dimension_numbers
   return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
@@ -194,9 +261,17 @@ def fp8_dot_general(
     >>> jax.grad(f)(jnp.zeros(3))  # max|x|, max|w|, max|dL/dy|
     Array([2., 3., 1.], dtype=float32)
   """
+  # An Fp8Param kernel does not promote: the input's dtype.
+  kernel_dtype = lhs.dtype if isinstance(rhs, Fp8Param) else rhs.dtype
   out_dtype = np.dtype(
-    preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+    preferred_element_type or jnp.result_type(lhs.dtype, kernel_dtype)
   )
+  if isinstance(rhs, Fp8Param) and isinstance(recipe, BlockwiseScaling):
+    raise ValueError(
+      "An Fp8Param kernel has one scale per tensor; blockwise scaling needs "
+      "one per 128 x 128 block. Use current or delayed scaling with FP8 "
+      "params, or keep this kernel in bfloat16."
+    )
   if isinstance(recipe, BlockwiseScaling):
     return fp8_block.block_dot_general(
       lhs,
@@ -219,6 +294,14 @@ def fp8_dot_general(
     getattr(recipe, "power_of_two_scales", False),
     recipe.statistics,
   )
+  if isinstance(rhs, Fp8Param):
+    if cfg.statistics:
+      raise ValueError(
+        f"recipe={recipe!r} reports cast statistics, but an Fp8Param kernel "
+        "was cast by the optimizer, where none are taken: use statistics="
+        "False with FP8 params."
+      )
+    return _param_dot(cfg, lhs, rhs, scale, amax)
   return _fp8_dot(cfg, lhs, rhs, scale, amax)
 
 
@@ -252,6 +335,12 @@ def einsum(equation: str, lhs: jax.Array, rhs: jax.Array, dot) -> jax.Array:
   # Axes of one operand that neither the other nor the output has: sum them.
   for name, x, letters, other in (("lhs", lhs, a, b), ("rhs", rhs, b, a)):
     alone = [i for i, c in enumerate(letters) if c not in other + out]
+    if alone and isinstance(x, Fp8Param):
+      raise ValueError(
+        f"FP8 einsum {equation!r} sums kernel axes {alone} away before the "
+        "matmul, which an Fp8Param kernel (stored in FP8) cannot do; keep "
+        "this kernel in bfloat16."
+      )
     if alone:
       x = jnp.sum(x, axis=tuple(alone))
       letters = "".join(c for c in letters if c in other + out)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jmp_train._src import fp8_dot
 from jmp_train._src.fp8 import COLLECTION, amax_entry, init_state
 from jmp_train._src.fp8_dot import fp8_dot_general
+from jmp_train._src.fp8_param import is_fp8_param
 from jmp_train._src.fp8_recipe import DEFAULT_RECIPE, Recipe
 
 # One counter per apply (keyed by its root scope) and module path, so the n-th
@@ -120,7 +121,8 @@ class Fp8DotGeneral(nn.Module):
         preferred_element_type=kwargs.get("preferred_element_type"),
       )
 
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs = jnp.asarray(lhs)
+    rhs = rhs if is_fp8_param(rhs) else jnp.asarray(rhs)
     if isinstance(dimension_numbers, str):  # an einsum equation
       return fp8_dot.einsum(
         dimension_numbers,
@@ -153,7 +155,7 @@ def einsum(module: nn.Einsum, inputs, einsum_str=None, *, dot_general):
     bias = module.param(
       "bias", module.bias_init, bias_shape, module.param_dtype
     )
-  inputs, kernel, bias = module.promote_dtype(
+  inputs, kernel, bias = keeping_fp8_params(module.promote_dtype)(
     inputs, kernel, bias, dtype=module.dtype
   )
   y = dot_general(
@@ -165,6 +167,18 @@ def einsum(module: nn.Einsum, inputs, einsum_str=None, *, dot_general):
   if bias is not None:
     y += jnp.reshape(bias, broadcast_shape)
   return y
+
+
+def keeping_fp8_params(promote_dtype):
+  """A module's `promote_dtype` that passes `Fp8Param` kernels through:
+  the FP8 matmul reads their values as they are stored."""
+
+  def promote(*args, **kwargs):
+    plain = [a for a in args if not is_fp8_param(a)]
+    promoted = iter(promote_dtype(*plain, **kwargs))
+    return [a if is_fp8_param(a) else next(promoted) for a in args]
+
+  return promote
 
 
 class Einsum(nn.Einsum):

@@ -54,7 +54,7 @@ import numpy as np
 from flax.core import meta
 from flax.nnx import graph as nnx_graph
 
-from jmp_train._src import fp8_linen, fp8_recipe
+from jmp_train._src import fp8_linen, fp8_param, fp8_recipe, leaves
 from jmp_train._src import policy as policy_lib
 
 DEFAULT_FLOAT32_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
@@ -68,12 +68,14 @@ class _Frame(NamedTuple):
   fp8_exclude: tuple = ()  # module classes and name patterns kept out of FP8
   set_dtype_fields: bool = True  # modules' dtype fields follow the policy
   respect: tuple = ()  # classes and name patterns whose dtype fields stay
+  fp8_params: bool = False  # FP8 layers' kernels stored as Fp8Param
 
 
 class _Context(threading.local):
   def __init__(self):
     self.frames: list[_Frame] = []
     self.owners: dict[tuple[str, ...], np.dtype] = {}
+    self.fp8_modules: set[tuple[str, ...]] = set()  # their kernels go FP8
 
 
 _CTX = _Context()
@@ -155,7 +157,7 @@ class _CastOnRead(meta.AxisMetadata):
 
   def unbox(self):
     frames = _CTX.frames
-    if not frames or frames[-1].creating:
+    if not frames or frames[-1].creating or _is_fp8_param(self.value):
       return self.value
     return policy_lib.cast_floating(self.value, frames[-1].policy.compute_dtype)
 
@@ -171,6 +173,14 @@ class _CastOnRead(meta.AxisMetadata):
 
 def _is_box(x: Any) -> bool:
   return isinstance(x, _CastOnRead)
+
+
+def _is_fp8_param(x: Any) -> bool:
+  return fp8_param.is_fp8_param(x)
+
+
+def _is_box_or_fp8(x: Any) -> bool:
+  return _is_box(x) or _is_fp8_param(x)
 
 
 def _matches(module: nn.Module, selectors: tuple) -> bool:
@@ -198,14 +208,18 @@ def _with_fp8(module: nn.Module, next_fun, recipe, method_name: str):
     and module.dot_general_cls is None
     and module.dot_general is None
   ):
+    promote = module.promote_dtype
 
     def run(*args, **kwargs):
       # Set for this call only; the module is a per-apply bound clone.
       object.__setattr__(module, "dot_general_cls", dot_cls)
+      keeping = fp8_linen.keeping_fp8_params(promote)
+      object.__setattr__(module, "promote_dtype", keeping)
       try:
         return next_fun(*args, **kwargs)
       finally:
         object.__setattr__(module, "dot_general_cls", None)
+        object.__setattr__(module, "promote_dtype", promote)
 
     return run
   if isinstance(module, nn.Einsum) and (
@@ -236,6 +250,8 @@ def _interceptor(next_fun, args, kwargs, context):
   call = _with_fp8(module, next_fun, recipe, context.method_name)
   if outer.creating:
     _CTX.owners[module.path] = policy.param_dtype
+    if outer.fp8_params and call is not next_fun:
+      _CTX.fp8_modules.add(module.path)
   if (
     override is None
     and recipe is outer.fp8
@@ -285,6 +301,7 @@ class _Wrapped(nn.Module):
   fp8: fp8_recipe.Recipe | None = None
   fp8_exclude: tuple = ()
   respect_dtype_fields: bool | tuple = False
+  fp8_params: bool = False
 
   def setup(self):
     nn.share_scope(self, self.module)
@@ -377,7 +394,7 @@ class _Wrapped(nn.Module):
         return _CastOnRead(x) if keys[0] == "params" else x
 
       return jax.tree_util.tree_map_with_path(
-        record_and_box, variables, is_leaf=_is_box
+        record_and_box, variables, is_leaf=_is_box_or_fp8
       )
 
     def map_out(variables):
@@ -386,6 +403,15 @@ class _Wrapped(nn.Module):
       def restore(path, x):
         x = x.value if _is_box(x) else x
         keys = _path_keys(path)
+        if _is_fp8_param(x):
+          return x
+        if (
+          keys[0] == "params"
+          and keys[-1] == "kernel"
+          and self.path + keys[1:-1] in _CTX.fp8_modules
+        ):
+          # init: an FP8 layer's kernel, as the model made it, cast to FP8.
+          return fp8_param.cast_param(x)
         if keys in incoming:
           return policy_lib.cast_floating(x, incoming[keys])
         if keys[0] == "params":
@@ -401,7 +427,7 @@ class _Wrapped(nn.Module):
         return x
 
       return jax.tree_util.tree_map_with_path(
-        restore, variables, is_leaf=_is_box
+        restore, variables, is_leaf=_is_box_or_fp8
       )
 
     def body(mdl, *args, **kwargs):
@@ -417,6 +443,7 @@ class _Wrapped(nn.Module):
           self.fp8_exclude,
           self.respect_dtype_fields is not True,
           _selectors_only(self.respect_dtype_fields),
+          self.fp8_params,
         )
       )
       try:
@@ -441,6 +468,7 @@ class _Wrapped(nn.Module):
     outermost = not _CTX.frames
     if outermost:
       _CTX.owners.clear()
+      _CTX.fp8_modules.clear()
       with nn.intercept_methods(_interceptor):
         out = run(self, *args, **kwargs)
     else:
@@ -456,6 +484,7 @@ def wrap(
   fp8: fp8_recipe.Recipe | str | bool | None = None,
   fp8_exclude: Iterable[str | type] = (),
   respect_dtype_fields: bool | Iterable[str | type] = False,
+  fp8_params: bool = False,
 ) -> nn.Module:
   """Returns `module` running under `policy`, with per-class overrides.
 
@@ -493,6 +522,15 @@ def wrap(
     fp8_exclude: modules kept out of FP8, with everything inside them: module
       classes, or glob patterns matched against a module's name and its
       "/"-joined path (e.g. `"head"`, `"*/attention/*"`).
+    fp8_params: store the kernel of every layer that runs in FP8 as a
+      `jmp_train.fp8.Fp8Param` (E4M3 values and a power-of-two scale, 1 byte
+      per value; NeMo's `fp8_params`, Transformer Engine's
+      `fp8_model_init`): `init` casts the kernel the model initialises, and
+      the matmul reads the stored values, with no bfloat16 copy. Train with
+      `mixed_precision` (the float32 master lives in its state) and the
+      train step, which casts each kernel again after the optimizer update
+      and, under ZeRO-1, all-gathers the FP8 values. Needs `fp8` with
+      current or delayed scaling, without `statistics`.
     respect_dtype_fields: keep modules' own `dtype`/`param_dtype` fields
       (Flax's behaviour without a policy): True for every module, or module
       classes and name patterns (as `fp8_exclude` takes them) for those
@@ -533,6 +571,7 @@ def wrap(
   )
   fp8 = fp8_recipe.check_recipe(fp8, "fp8")
   fp8_exclude = _selectors(fp8_exclude, "fp8_exclude")
+  fp8_params = _check_fp8_params(fp8_params, fp8)
   if not isinstance(respect_dtype_fields, bool):
     respect_dtype_fields = _selectors(
       respect_dtype_fields, "respect_dtype_fields"
@@ -544,7 +583,27 @@ def wrap(
     fp8=fp8,
     fp8_exclude=fp8_exclude,
     respect_dtype_fields=respect_dtype_fields,
+    fp8_params=fp8_params,
   )
+
+
+def _check_fp8_params(fp8_params: Any, recipe: Any) -> bool:
+  fp8_params = leaves.check_bool(fp8_params, "fp8_params")
+  if not fp8_params:
+    return False
+  if recipe is None:
+    raise ValueError(
+      "fp8_params=True stores the kernels of FP8 layers in FP8, but fp8 is "
+      "None: pass fp8= a recipe (CurrentScaling() or DelayedScaling()) too."
+    )
+  if isinstance(recipe, fp8_recipe.BlockwiseScaling) or recipe.statistics:
+    raise ValueError(
+      f"fp8_params=True with fp8={recipe!r}: an FP8 param has one "
+      "power-of-two scale per tensor, cast by the optimizer, so it takes "
+      "current or delayed scaling without statistics (blockwise scaling "
+      "needs one scale per block)."
+    )
+  return True
 
 
 def _selectors(items: Any, argument: str) -> tuple:

@@ -22,7 +22,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jmp_train._src import accumulation, leaves, optimizer_state, zero1
+from jmp_train._src import (
+  accumulation,
+  fp8_param,
+  leaves,
+  optimizer_state,
+  zero1,
+)
 
 
 def _device_bytes(x: Any) -> int:
@@ -119,7 +125,9 @@ def memory_table(
       dtype = accumulation.buffer_dtype(dtype, accum_dtype)
     return jax.ShapeDtypeStruct(p.shape, dtype)
 
-  grads = _with_shardings(jax.tree.map(grad, state.params), param_shardings)
+  # An Fp8Param's gradient is its weight's, in its `grad_dtype`.
+  grads = jax.tree.map(grad, fp8_param.grad_like(state.params))
+  grads = _with_shardings(grads, param_shardings)
   table = {
     "params": _tree_bytes(stored.params),
     "gradients": _tree_bytes(grads),

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_train._src import leaves, rounding
+from jmp_train._src import fp8_param, leaves, rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +220,8 @@ def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
   int16 remainder of that value under `ParamRemainders` (the param must be
   the value rounded to nearest); the compensation `value - param` in the
   param's dtype under `KahanSummation`. `optax.MaskedNode()` everywhere else.
+  An `Fp8Param` keeps a float32 master under every rule (nothing else can
+  update it): its entry in `values`, or the param dequantized.
 
   Raises:
     TypeError: for `ParamRemainders` and a float16 param.
@@ -227,6 +229,9 @@ def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
   values = params if values is None else values
 
   def master(path, p, v):
+    if fp8_param.is_fp8_param(p):
+      v = v.dequantize() if fp8_param.is_fp8_param(v) else v
+      return jnp.array(v, jnp.float32)
     if not needs_master(p):
       return leaves.MASKED
     if isinstance(rule, MasterWeights):
@@ -245,7 +250,9 @@ def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
       return wide.astype(p.dtype)
     return leaves.MASKED
 
-  return jax.tree_util.tree_map_with_path(master, params, values)
+  return jax.tree_util.tree_map_with_path(
+    master, params, values, is_leaf=fp8_param.is_fp8_param
+  )
 
 
 def remainder(param: jax.Array, master: jax.Array) -> jax.Array:
@@ -286,6 +293,8 @@ def rebuilt(kept: Any, param: Any) -> Any:
   or a zero compensation, shaped and typed like `kept`."""
   if leaves.is_masked(kept):
     return kept
+  if fp8_param.is_fp8_param(param):
+    return param.dequantize()
   if np.dtype(kept.dtype) == np.dtype(jnp.float32):
     return jnp.asarray(param).astype(jnp.float32)
   return jnp.zeros(kept.shape, kept.dtype)
@@ -325,8 +334,15 @@ def apply(
   transformation: a float32 master or an int16 remainder makes the param
   follow its new master (`exact_delta`); a compensation in the param's
   dtype makes a Kahan step; nothing makes the param take `param + update`,
-  rounded as `rule` says. Integer and boolean params get zeros.
+  rounded as `rule` says. Integer and boolean params get zeros. An
+  `Fp8Param` is cast again from its new master (`fp8_param.cast_param`); its
+  update is the exact difference of bits and exponents.
   """
+  if fp8_param.is_fp8_param(param):
+    master = (kept + update).astype(jnp.float32)
+    return LeafUpdate(
+      fp8_param.delta(param, fp8_param.cast_param(master)), master
+    )
   if not leaves.is_float(param):
     return LeafUpdate(jnp.zeros_like(param), kept)
   if leaves.is_masked(kept):

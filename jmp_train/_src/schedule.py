@@ -29,7 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import leaves, optimizer_state, state_format, state_storage
+from jmp_train._src import (
+  fp8_param,
+  leaves,
+  optimizer_state,
+  state_format,
+  state_storage,
+)
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src import presets as presets_lib
@@ -100,10 +106,25 @@ def adjust_precision(
     through untouched.
 
   Raises:
-    ValueError: if `param_dtypes` does not have the structure of `params`.
+    ValueError: if `param_dtypes` does not have the structure of `params`,
+      or params are stored in FP8 (`jmp_train.fp8.Fp8Param`).
   """
   preset = _as_preset(preset)
   state = optimizer_state.find_state(opt_state)
+  fp8_params = [
+    leaves.keystr(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=fp8_param.is_fp8_param
+    )[0]
+    if fp8_param.is_fp8_param(x)
+  ]
+  if fp8_params:
+    raise ValueError(
+      f"adjust_precision: params {fp8_params[:3]} are stored in FP8 "
+      "(Fp8Param), whose dtype a preset does not set; rebuild the model "
+      "with linen.wrap(..., fp8_params=False) and restore its params from "
+      "the float32 masters instead."
+    )
   # The stored state does not say which formats made it, so it cannot be
   # converted to another preset's formats without guessing.
   if preset.state_formats is not None:

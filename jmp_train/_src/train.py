@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jmp_train._src import (
   accumulation,
   distributed,
+  fp8_param,
   leaves,
   optimizer_state,
   transform,
@@ -172,8 +173,8 @@ def _check_batch(batch: Any, multiple: int, what: str) -> None:
 def _micro_grads(loss_fn, has_aux, accum_steps, accum_dtype):
   """The gradient pass over one device's rows, micro-batch by micro-batch.
 
-  Returns `run(params, fp8, model_state, batch, key, scale)` giving the
-  loss, grads and metrics summed over micro-batches (loss and metrics in
+  Returns `run(params, fp8, model_state, batch, key, scale)` (`params`
+  with gradient slots on their `Fp8Param`s) giving the loss, grads and metrics summed over micro-batches (loss and metrics in
   float32, grads in an `accum_dtype` buffer when there are several), the
   FP8 amax gradients combined by max and the model state after the last
   micro-batch.
@@ -197,6 +198,8 @@ def _micro_grads(loss_fn, has_aux, accum_steps, accum_dtype):
       grad = jax.grad(scaled, argnums=(0, 1), has_aux=True, allow_int=True)
       (grads, fp8_grads), (loss, new_state, metrics) = grad(params, fp8)
       grads = accumulation.zeros_for_non_float(grads, params)
+      # FP8 params: the weight's gradient came back in its slot.
+      grads = fp8_param.grads_of(grads)
       return new_state, ((loss, metrics), grads, fp8_grads)
 
     model_state, (loss, metrics), grads, fp8_grads = (
@@ -350,7 +353,7 @@ def make_train_step(
       key = jax.random.fold_in(key, state.step)
     if plan is None:
       loss, grads, fp8_grads, model_state, metrics = run(
-        state.params,
+        fp8_param.with_grad_slots(state.params),
         state.fp8,
         state.model_state,
         batch,
@@ -570,6 +573,9 @@ def _sharded(plan, run, state, batch, key, scale, reduce_dtype):
 
     if key is not None:
       key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    # What each gradient leaf is (an Fp8Param's: its weight's gradient).
+    grad_ref = fp8_param.grad_like(params)
+    params = fp8_param.with_grad_slots(params)
     loss, grads, fp8_grads, model_state, metrics = run(
       jax.tree.map(varying, params),
       jax.tree.map(varying, fp8),
@@ -601,7 +607,7 @@ def _sharded(plan, run, state, batch, key, scale, reduce_dtype):
       return jax.lax.psum(g, axis)
 
     grads = jax.tree.map(
-      reduce, plan.layouts, grads, params, is_leaf=zero1.is_layout
+      reduce, plan.layouts, grads, grad_ref, is_leaf=zero1.is_layout
     )
     return (
       jax.lax.pmean(loss, axis),

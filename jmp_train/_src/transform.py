@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import leaves, state_storage
+from jmp_train._src import fp8_param, leaves, state_storage
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src.optimizer_state import MixedPrecisionState, find_state
@@ -99,6 +99,18 @@ def _checked_leaves(tree: Any, what: str) -> Any:
     if isinstance(x, (bool, int, float, complex)):
       return jnp.asarray(x)
     where = f"mixed_precision: {what} leaf {leaves.keystr(path)!r}"
+    if fp8_param.is_fp8_param(x):
+      if what == "gradients" and not (
+        leaves.is_float(x.data) and not leaves.is_float8(x.data)
+      ):
+        raise TypeError(
+          f"{where} is the gradient of an Fp8Param, with dtype "
+          f"{x.data.dtype}: the weight's gradient did not come back "
+          "(JAX's gradient of its integer bits is empty). Differentiate "
+          "with respect to jmp_train.fp8.with_grad_slots(params) and pass "
+          "jmp_train.fp8.grads_of(grads); the train step does both."
+        )
+      return x
     if not (hasattr(x, "dtype") and hasattr(x, "shape")):
       raise TypeError(
         f"{where} is {x!r}; expected arrays (float, complex, integer or "
@@ -113,7 +125,9 @@ def _checked_leaves(tree: Any, what: str) -> Any:
       )
     return x
 
-  return jax.tree_util.tree_map_with_path(check, tree)
+  return jax.tree_util.tree_map_with_path(
+    check, tree, is_leaf=fp8_param.is_fp8_param
+  )
 
 
 def _check_grads(grads: Any, params: Any) -> None:
@@ -127,14 +141,17 @@ def _check_grads(grads: Any, params: Any) -> None:
 
   def check(path, g, p):
     # A gradient of another shape would broadcast silently.
-    if leaves.is_float(p) and tuple(np.shape(g)) != tuple(np.shape(p)):
+    float_like = leaves.is_float(p) or fp8_param.is_fp8_param(p)
+    if float_like and tuple(np.shape(g)) != tuple(np.shape(p)):
       raise ValueError(
         f"mixed_precision: the gradient of {leaves.keystr(path)!r} has shape "
         f"{tuple(np.shape(g))}, its param {tuple(np.shape(p))}; gradients "
         "must have their params' shapes."
       )
 
-  jax.tree_util.tree_map_with_path(check, grads, params)
+  jax.tree_util.tree_map_with_path(
+    check, grads, params, is_leaf=fp8_param.is_fp8_param
+  )
 
 
 def mixed_precision(
@@ -269,11 +286,15 @@ def mixed_precision(
 
     # Unscaled gradients in float32 (at least); non-float leaves are masked.
     def to_full(g, p):
+      if fp8_param.is_fp8_param(p):
+        return leaves.widen(g.data)
       if not leaves.is_float(p):
         return leaves.MASKED
       return jnp.asarray(g).astype(leaves.full_dtype(p.dtype))
 
-    grads_full = scaler.unscale(jax.tree.map(to_full, grads, params))
+    grads_full = scaler.unscale(
+      jax.tree.map(to_full, grads, params, is_leaf=fp8_param.is_fp8_param)
+    )
     sq_norm, finite = _sq_norm_and_finite(grads_full)
 
     def apply_inner(operand):
@@ -300,6 +321,7 @@ def mixed_precision(
         masters,
         inner_updates,
         param_update_lib.leaf_keys(rule, params, state.steps),
+        is_leaf=fp8_param.is_fp8_param,
       )
       is_pair = lambda x: isinstance(x, param_update_lib.LeafUpdate)  # noqa: E731
       updates = jax.tree.map(lambda x: x.update, pairs, is_leaf=is_pair)
@@ -366,6 +388,8 @@ def _skip_updates(params: optax.Params) -> optax.Params:
   """
 
   def skip(p):
+    if fp8_param.is_fp8_param(p):
+      return fp8_param.no_change(p)
     if not leaves.is_float(p):
       return jnp.zeros_like(p)
     dtype = leaves.full_dtype(p.dtype)
@@ -373,7 +397,7 @@ def _skip_updates(params: optax.Params) -> optax.Params:
       return jnp.full(p.shape, complex(-0.0, -0.0), dtype)
     return jnp.full(p.shape, -0.0, dtype)
 
-  return jax.tree.map(skip, params)
+  return jax.tree.map(skip, params, is_leaf=fp8_param.is_fp8_param)
 
 
 def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
@@ -381,11 +405,13 @@ def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
   only (a master, rebuilt from its remainder, or param + compensation)."""
 
   def view(p, m):
+    if fp8_param.is_fp8_param(p):
+      return m
     if not leaves.is_float(p):
       return leaves.MASKED
     return param_update_lib.full_value(p, m)
 
-  return jax.tree.map(view, params, masters)
+  return jax.tree.map(view, params, masters, is_leaf=fp8_param.is_fp8_param)
 
 
 def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
