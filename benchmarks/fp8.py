@@ -14,20 +14,36 @@ and "blockwise" `BlockwiseScaling()`; "off" is no FP8.
 2. `--accuracy`: the digits example's test accuracy per preset (bf16-mixed,
    fp16-mixed) and model (MLP, CNN), without FP8 and with each recipe.
 3. `--gpt`: the GPT example's final validation loss, bf16-mixed without FP8
-   and with each recipe, for each of `--seeds` (the runs of one seed draw
-   the same batches and initial params); the goal is on the mean over
-   seeds of each recipe's difference. Arguments this script does not know
-   go to the example.
+   and with each recipe, and with each of `--params-recipes` plus
+   `--fp8-params` (row "RECIPE+params": the FP8 layers' kernels stored in
+   FP8), for each of `--seeds` (the runs of one seed draw the same batches
+   and initial params); the goal is on the mean over seeds of each row's
+   difference. `--reuse JSON` keeps the runs a previous `--gpt` JSON
+   recorded with the same settings and trains only the others. Arguments
+   this script does not know go to the example.
+4. `--gather`: what ZeRO-1 all-gathers with FP8 params. The GPT example's
+   model and optimizer with bf16 params (preset bf16-true: float32 masters)
+   and FP8 matmuls (current scaling, head excluded), stepped by
+   `jmp_train.train.make_train_step` under a ZeRO-1 plan on 8 (virtual CPU)
+   devices, with `fp8_params` off and on. Each step is lowered and its
+   all-gathers counted in the lowered module (StableHLO: the CPU compiler
+   widens bf16 collectives to f32 after lowering, so the compiled module
+   would double the bf16 bytes), split into the FP8 layers' kernels and the
+   other params; the params' bytes per device come from
+   `jmp_train.memory.memory_table`. The example's size flags apply.
 
   python benchmarks/fp8.py --matmul --sizes 4096,8192,16384   # on a GPU
   python benchmarks/fp8.py --accuracy                          # CPU is fine
   python benchmarks/fp8.py --gpt --steps 400 --seeds 0,1,2     # CPU is fine
+  python benchmarks/fp8.py --gather                            # CPU is fine
 """
 
 import argparse
+import collections
 import functools
 import json
 import pathlib
+import re
 import statistics
 import sys
 import tempfile
@@ -41,14 +57,26 @@ sys.path.insert(
 import digits
 import flax.linen as nn
 import gpt
+import gpt_model
 import jax
 import jax.numpy as jnp
 import md
+import numpy as np
+import optax
+from jax.sharding import AxisType
 
-from jmp_train import fp8
+import jmp_train
+from jmp_train import fp8, memory, train, zero1
 
 RECIPES = ("delayed", "current", "current-pow2", "blockwise")
+# Recipes FP8 params take: one power-of-two scale per kernel, not per block.
+PARAMS_RECIPES = ("delayed", "current", "current-pow2")
 GPT_PRESET = "bf16-mixed"
+# --gather: bf16 params with float32 masters, so what ZeRO-1 gathers of an
+# FP8 layer's kernel is bf16 without FP8 params and FP8 with them.
+GATHER_PRESET = "bf16-true"
+GATHER_RECIPE = "current"
+GATHER_DEVICES = 8
 # Goals: digits accuracy within 1 point of the same preset without FP8; the
 # GPT's final validation loss within 0.02 of bf16-mixed's; the matmul
 # (issue 4) at least 1.3x bf16 at the largest size.
@@ -65,7 +93,18 @@ def parse_args(argv=None):
   p.add_argument("--matmul", action="store_true")
   p.add_argument("--accuracy", action="store_true")
   p.add_argument("--gpt", action="store_true")
+  p.add_argument("--gather", action="store_true")
   p.add_argument("--recipes", default=",".join(RECIPES))
+  p.add_argument(
+    "--params-recipes",
+    default="current",
+    help="GPT rows trained with --fp8-params too (comma-separated; '' none)",
+  )
+  p.add_argument(
+    "--reuse",
+    default=None,
+    help="a --gpt JSON: keep its runs made with the same settings",
+  )
   p.add_argument("--sizes", default="4096,8192,16384", help="matmul n")
   p.add_argument("--rounds", type=int, default=20)
   p.add_argument("--warmup", type=int, default=3)
@@ -75,16 +114,25 @@ def parse_args(argv=None):
   p.add_argument("--presets", default="bf16-mixed,fp16-mixed", help="digits")
   p.add_argument("--json", default=None, help="also write results here")
   args, example_args = p.parse_known_args(argv)
-  if example_args and not args.gpt:
+  if example_args and not (args.gpt or args.gather):
     p.error(f"unrecognized arguments: {' '.join(example_args)}")
   if "--seed" in example_args:
     p.error("--seed: give the GPT's seeds as --seeds (e.g. --seeds 0,1,2)")
   args.example_args = example_args
-  args.recipes = args.recipes.split(",")
+  args.recipes = [name for name in args.recipes.split(",") if name]
+  args.params_recipes = [n for n in args.params_recipes.split(",") if n]
   args.seeds = [int(s) for s in args.seeds.split(",")]
   for name in args.recipes:
     if name not in RECIPES:
       p.error(f"--recipes: unknown recipe {name!r}; known: {RECIPES}")
+  for name in args.params_recipes:
+    if name not in PARAMS_RECIPES:
+      p.error(
+        f"--params-recipes: {name!r} is not a recipe FP8 params take"
+        f" (one power-of-two scale per kernel); known: {PARAMS_RECIPES}"
+      )
+  if args.reuse and not args.gpt:
+    p.error(f"--reuse {args.reuse}: it keeps --gpt runs; give --gpt too")
   return args
 
 
@@ -281,25 +329,51 @@ def _digits_table(d: dict) -> tuple[str, dict]:
 # 3. The GPT example's validation loss.
 
 
+def gpt_rows(args) -> dict[str, list[str]]:
+  """The GPT runs of one seed: row name -> the example's FP8 flags."""
+  rows = {name: ["--fp8", name] for name in ("off", *args.recipes)}
+  for name in args.params_recipes:
+    rows[f"{name}+params"] = ["--fp8", name, "--fp8-params"]
+  return rows
+
+
 def gpt_loss(args):
-  runs = []
+  # What every run shares (each run's FP8 flags and --seed are in its row);
+  # the example's --preset, if given, overrides GPT_PRESET.
+  example = vars(gpt.parse_args(["--preset", GPT_PRESET, *args.example_args]))
+  per_run = ("fp8", "fp8_params", "seed", "out", "presets")
+  config = {k: v for k, v in example.items() if k not in per_run}
+  preset = config["preset"]
+  earlier = {}
+  if args.reuse:
+    g = json.loads(pathlib.Path(args.reuse).read_text())["gpt"]
+    if (g["preset"], g["config"]) != (preset, config):
+      raise SystemExit(
+        f"--reuse {args.reuse}: its runs were made with preset "
+        f"{g['preset']!r} and {g['config']}, these would be made with "
+        f"{preset!r} and {config}; reuse only runs of the same settings."
+      )
+    earlier = {(x["fp8"], x["seed"]): x for x in g["runs"]}
+  runs, reused = [], []
   with tempfile.TemporaryDirectory() as out:
     for seed in args.seeds:
-      for name in ("off", *args.recipes):
+      for name, flags in gpt_rows(args).items():
+        if (name, seed) in earlier:
+          runs.append(earlier[name, seed])
+          reused.append([name, seed])
+          continue
         (run,) = gpt.main(
           [
-            *("--preset", GPT_PRESET, "--fp8", name, "--seed", str(seed)),
+            *("--preset", GPT_PRESET, *flags, "--seed", str(seed)),
             *("--out", f"{out}/{name}", *args.example_args),
           ]
         )
         keep = ("final_val_loss", "skipped_steps", "seconds")
         runs.append({"fp8": name, "seed": seed, **{k: run[k] for k in keep}})
-  # What every run shares (each run's --fp8 and --seed are in its row).
-  config = {
-    k: v for k, v in run["config"].items() if k not in ("fp8", "seed", "out")
-  }
-  # The example's --preset, if given, overrides GPT_PRESET.
-  return {"preset": run["preset"], "config": config, "runs": runs}
+  result = {"preset": preset, "config": config, "runs": runs}
+  if reused:
+    result["reused"] = reused
+  return result
 
 
 def _gpt_table(g: dict) -> tuple[str, dict]:
@@ -325,6 +399,21 @@ def _gpt_table(g: dict) -> tuple[str, dict]:
   header = ["fp8", *(f"seed {s}" for s in seeds), "mean difference"]
   # No seconds: on a CPU FP8 is emulated, so its time says nothing.
   header += ["verdict", "skipped steps"]
+  params_rows = [name for name in names if name.endswith("+params")]
+  params = (
+    f" Rows `RECIPE+params` ({', '.join(params_rows)}) add `--fp8-params`:"
+    " the FP8 layers' kernels stored in FP8, with float32 masters."
+    if params_rows
+    else ""
+  )
+  reused = ""
+  if g.get("reused"):
+    kept = ", ".join(dict.fromkeys(name for name, _ in g["reused"]))
+    reused = (
+      f"\n\n{len(g['reused'])} of these {len(g['runs'])} runs ({kept}) were"
+      " recorded by an earlier run of this job with the same settings and"
+      " kept (`--reuse`); the others were trained for this table."
+    )
   text = "\n".join(
     [
       f"`python examples/gpt.py --preset {g['preset']} --fp8 RECIPE --seed"
@@ -333,12 +422,12 @@ def _gpt_table(g: dict) -> tuple[str, dict]:
       f" {cfg['seq_len']} characters; the runs of one seed share their"
       " batches and initial params. Final validation loss (and its"
       f" difference to {g['preset']}'s without FP8, same seed); goal: the"
-      f" mean difference within {GOAL_LOSS}.",
+      f" mean difference within {GOAL_LOSS}.{params}",
       "",
       md.table(header, table),
       "",
       f"Largest difference of one run: {diff[worst]:+.4f} ({worst[0]}, seed"
-      f" {worst[1]}).",
+      f" {worst[1]}).{reused}",
     ]
   )
   return text, means
@@ -389,9 +478,243 @@ def accuracy_table(results: dict) -> str:
   return "\n\n".join(parts)
 
 
+# 4. ZeRO-1's all-gathers with FP8 params.
+
+# A lowered all-gather: `"stablehlo.all_gather"(%x) <{all_gather_dim = 0,
+# ..., replica_groups = dense<...> : tensor<1x8xi64>, ...}> :
+# (tensor<8x64xui8>) -> tensor<64x64xui8>`.
+_ALL_GATHER = re.compile(
+  r'"stablehlo\.all_gather".*?replica_groups = dense<.*?> :'
+  r" tensor<\d+x(?P<group>\d+)xi64>.*?\}> :"
+  r" \((?P<operand>tensor<[^>]*>)\) -> (?P<result>tensor<[^>]*>)"
+)
+_ELEMENT_BYTES = {
+  **dict.fromkeys(("i1", "i8", "ui8", "f8E4M3FN", "f8E5M2"), 1),
+  **dict.fromkeys(("i16", "ui16", "bf16", "f16"), 2),
+  **dict.fromkeys(("i32", "ui32", "f32"), 4),
+  **dict.fromkeys(("i64", "ui64", "f64"), 8),
+}
+
+
+def _tensor(text: str) -> tuple[tuple[int, ...], str]:
+  """`tensor<8x64xui8>` -> ((8, 64), "ui8")."""
+  *dims, element = text.removeprefix("tensor<").removesuffix(">").split("x")
+  return tuple(int(d) for d in dims), element
+
+
+def lowered_all_gathers(text: str) -> list[dict]:
+  """The all-gathers of a lowered module's text (`lowered.as_text()`).
+
+  Each with its operand's shape, its result's shape and element type, and
+  the bytes each device sends in a ring, S (g - 1) / g for a result of S
+  bytes over g devices (as `jmp_train.memory.collective_stats` counts them
+  in compiled HLO).
+  """
+  found = []
+  for m in _ALL_GATHER.finditer(text):
+    operand, _ = _tensor(m["operand"])
+    result, element = _tensor(m["result"])
+    g = int(m["group"])
+    size = _ELEMENT_BYTES[element] * int(np.prod(result, dtype=np.int64))
+    found.append(
+      {
+        "operand": operand,
+        "result": result,
+        "element": element,
+        "bytes": size * (g - 1) / g,
+      }
+    )
+  return found
+
+
+def gather_case(cfg, fp8_params: bool, compiled: bool = True) -> dict:
+  """The GPT example's model and optimizer under ZeRO-1, its step lowered.
+
+  `cfg` is the example's parsed arguments (the model's size, the batch).
+  Returns the lowered module's all-gathers, the compiled module's all-gather
+  bytes (None unless `compiled`), `memory.memory_table` of the state, and
+  the FP8 params' sizes by path. Nothing is allocated: shapes only.
+  """
+  preset = jmp_train.get_preset(GATHER_PRESET)
+  model = jmp_train.linen.wrap(
+    gpt_model.GPT(cfg.layers, cfg.d_model, cfg.heads, cfg.seq_len),
+    preset.policy,
+    fp8=gpt.FP8_RECIPES[GATHER_RECIPE],
+    fp8_exclude=("head",),
+    fp8_params=fp8_params,
+  )
+  variables = jax.eval_shape(
+    model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32)
+  )
+  # The example's optimizer; its learning-rate schedule moves no bytes.
+  tx = preset.mixed_precision(
+    optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(cfg.lr, b2=0.95, weight_decay=0.1),
+    )
+  )
+  mesh = jax.make_mesh(
+    (GATHER_DEVICES,),
+    ("data",),
+    axis_types=(AxisType.Auto,),
+    devices=jax.devices()[:GATHER_DEVICES],
+  )
+  plan = zero1.make_plan(tx, variables["params"], mesh)
+  state = jax.eval_shape(
+    lambda v: train.TrainState.create(
+      params=v["params"], tx=tx, fp8=v["fp8_meta"]
+    ),
+    variables,
+  )
+
+  def loss_fn(params, batch, model_state, key):
+    logits = model.apply({"params": params, **model_state}, batch[:, :-1])
+    return gpt_model.cross_entropy(logits, batch[:, 1:])
+
+  step = train.make_train_step(loss_fn, tx, plan=plan)
+  batch = jax.ShapeDtypeStruct(
+    (cfg.batch_size, cfg.seq_len + 1), jnp.int32, sharding=plan.batch_sharding
+  )
+  lowered = step.lower(zero1.abstract(plan, state), batch)
+  compiled_bytes = None
+  if compiled:
+    found = memory.collective_stats(lowered.compile().as_text(), GATHER_DEVICES)
+    compiled_bytes = memory.summarize_collectives(found)["all-gather"]["bytes"]
+  sizes = {
+    jax.tree_util.keystr(path, simple=True, separator="/"): (
+      fp8.is_fp8_param(x),
+      int(np.prod(x.shape)),
+    )
+    for path, x in jax.tree_util.tree_leaves_with_path(
+      variables["params"], is_leaf=fp8.is_fp8_param
+    )
+  }
+  return {
+    "all_gathers": lowered_all_gathers(lowered.as_text()),
+    "compiled_all_gather_bytes": compiled_bytes,
+    "memory": memory.memory_table(plan, state),
+    "n_params": sum(n for _, n in sizes.values()),
+    "fp8_params": {path: n for path, (is_fp8, n) in sizes.items() if is_fp8},
+  }
+
+
+def gather_bytes(cfg, compiled: bool = True) -> dict:
+  """All-gather bytes and params bytes per device, bf16 vs FP8 kernels, for
+  the example's arguments `cfg` (`gpt.parse_args`)."""
+  if jax.device_count() < GATHER_DEVICES:
+    raise SystemExit(
+      f"--gather needs {GATHER_DEVICES} devices, JAX has {jax.device_count()}"
+      " (run the script itself: it asks JAX for virtual CPU devices)."
+    )
+  bf16 = gather_case(cfg, False, compiled)
+  fp8_case = gather_case(cfg, True, compiled)
+  # The FP8 kernels are the FP8 case's uint8 all-gathers. The same leaves
+  # are gathered in bf16 without FP8 params, with the same shapes: match
+  # those by shape (a bf16 leaf of a kernel's shape sends as many bytes).
+  kernels = collections.Counter(
+    (x["operand"], x["result"])
+    for x in fp8_case["all_gathers"]
+    if x["element"] == "ui8"
+  )
+  rows = []
+  for case, fp8_params in ((bf16, False), (fp8_case, True)):
+    left = collections.Counter(kernels)
+    split = {"kernel": [], "other": []}
+    for x in case["all_gathers"]:
+      key = (x["operand"], x["result"])
+      if left[key]:
+        left[key] -= 1
+        split["kernel"].append(x)
+      else:
+        split["other"].append(x)
+    if left.total():
+      raise RuntimeError(f"kernel all-gathers not found: {dict(left)}")
+    rows.append(
+      {
+        "fp8_params": fp8_params,
+        **{
+          f"{part}_{what}": value
+          for part, ops in split.items()
+          for what, value in (
+            ("ops", len(ops)),
+            ("bytes", sum(x["bytes"] for x in ops)),
+            ("elements", sorted({x["element"] for x in ops})),
+          )
+        },
+        "compiled_bytes": case["compiled_all_gather_bytes"],
+        "memory": case["memory"],
+      }
+    )
+  return {
+    "model": (
+      f"{cfg.layers}x{cfg.d_model}, {cfg.heads} heads, context"
+      f" {cfg.seq_len}, batch {cfg.batch_size}"
+    ),
+    "preset": GATHER_PRESET,
+    "recipe": GATHER_RECIPE,
+    "devices": GATHER_DEVICES,
+    "n_params": bf16["n_params"],
+    "fp8_params": fp8_case["fp8_params"],
+    "rows": rows,
+  }
+
+
+def gather_table(results: dict) -> str:
+  """All-gather and params bytes per device, bf16 vs FP8 kernels."""
+  r = next((r["gather"] for r in results.values() if "gather" in r), None)
+  if r is None:
+    return md.not_measured("benchmarks/fp8.py --gather")
+  bf16, ours = r["rows"]
+  table = []
+  for row in r["rows"]:
+    mem, compiled = row["memory"], row["compiled_bytes"]
+    table.append(
+      [
+        "FP8 (`fp8_params=True`)" if row["fp8_params"] else "bf16",
+        f"{row['kernel_ops']} ({', '.join(row['kernel_elements'])})",
+        f"{row['kernel_bytes']:,.0f}",
+        f"{row['other_ops']} ({', '.join(row['other_elements'])})",
+        f"{row['other_bytes']:,.0f}",
+        f"{row['kernel_bytes'] + row['other_bytes']:,.0f}",
+        "not compiled" if compiled is None else f"{compiled:,.0f}",
+        f"{mem['params']:,}",
+        f"{mem['total']:,}",
+      ]
+    )
+  header = ["FP8 layers' kernels stored in", "their all-gathers", "bytes"]
+  header += ["other all-gathers", "bytes", "all-gather bytes"]
+  header += ["compiled (CPU)", "params B/device", "state B/device"]
+  kernels = ours["kernel_bytes"] / bf16["kernel_bytes"]
+  total = (ours["kernel_bytes"] + ours["other_bytes"]) / (
+    bf16["kernel_bytes"] + bf16["other_bytes"]
+  )
+  params = ours["memory"]["params"] / bf16["memory"]["params"]
+  in_kernels = sum(r["fp8_params"].values())
+  return "\n".join(
+    [
+      f"The GPT of `examples/gpt.py` ({r['model']}; {r['n_params']:,}"
+      f" params, {in_kernels:,} of them in the kernels of its"
+      f" {len(r['fp8_params'])} FP8 layers), preset {r['preset']} (bfloat16"
+      f" params, float32 masters), `--fp8 {r['recipe']}`, ZeRO-1 over"
+      f" {r['devices']} virtual CPU devices. Bytes each device sends per step"
+      " in the all-gathers of the lowered step (ring: S(g-1)/g of a result"
+      " of S bytes); `compiled (CPU)`: the same count in the compiled step,"
+      " where the CPU compiler has widened bf16 to f32. Params and"
+      " whole-state bytes per device from `jmp_train.memory.memory_table`.",
+      "",
+      md.table(header, table),
+      "",
+      f"FP8 layers' kernels, FP8 params / bf16 params: **{md.ratio(kernels)}**"
+      f" the all-gather bytes (goal: at most half,"
+      f" {md.verdict(kernels <= 0.5)}); all params' all-gather bytes"
+      f" {md.ratio(total)}; params bytes per device {md.ratio(params)}.",
+    ]
+  )
+
+
 def main(argv=None):
   args = parse_args(argv)
-  if not (args.matmul or args.accuracy or args.gpt):
+  if not (args.matmul or args.accuracy or args.gpt or args.gather):
     args.accuracy = True  # a measurement any machine can make
   result = {"device": str(jax.devices()[0].device_kind)}
   if args.matmul:
@@ -407,10 +730,16 @@ def main(argv=None):
     result["gpt"] = gpt_loss(args)
   if args.accuracy or args.gpt:
     print(accuracy_table({"fp8": result}))
+  if args.gather:
+    result["gather"] = gather_bytes(gpt.parse_args(args.example_args))
+    print(gather_table({"fp8-gather": result}))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
   return result
 
 
 if __name__ == "__main__":
+  if parse_args().gather:
+    # ZeRO-1's mesh: virtual CPU devices, made when JAX's backend starts.
+    jax.config.update("jax_num_cpu_devices", GATHER_DEVICES)
   main()

@@ -53,6 +53,7 @@ CPU_JOBS = {
   "compile": "compile_time.py",
   "fp8": "fp8.py --accuracy",
   "fp8-gpt": "fp8.py --gpt --steps 400 --seeds 0,1,2",
+  "fp8-gather": "fp8.py --gather",
   "gpt": "gpt_compare.py --chart docs/gpt-compare.png",
   "multihost": "multihost.py",
   "lean-memory": "lean_state.py memory",
@@ -85,6 +86,8 @@ CPU_QUICK = {
   "fp8": "fp8.py --accuracy --epochs 1 --models mlp --presets bf16-mixed",
   "fp8-gpt": "fp8.py --gpt --steps 6 --layers 1 --d-model 32 --seq-len 16"
   " --eval-every 3 --text-bytes 100000",
+  "fp8-gather": "fp8.py --gather --layers 1 --d-model 32 --seq-len 16"
+  " --batch-size 8",
   "gpt": "gpt_compare.py --steps 6 --layers 1 --d-model 32 --seq-len 16"
   " --eval-every 3 --text-bytes 100000",
   "multihost": "multihost.py --layers 1 --d-model 32 --seq-len 16 --batch 8"

@@ -5,6 +5,7 @@
   python examples/gpt.py --zero1 --accum 2            # ZeRO-1 on 8 virtual CPU devices
   python examples/gpt.py --fp8                        # FP8 matmuls (head excluded)
   python examples/gpt.py --fp8 delayed                # ... with another recipe
+  python examples/gpt.py --fp8 --fp8-params           # ... and FP8 kernels
   python examples/gpt.py --compare fp32,bf16-mixed,fp16-mixed   # one chart
 
 The text is the .py files next to the `os` module (Python's own library), read
@@ -21,6 +22,12 @@ library's step instead (`jmp_train.train.make_train_step`), which does the
 same per micro-batch and device, and with `--zero1` splits the optimizer
 state and the float32 master weights over every device (8 virtual ones in
 a lone CPU process).
+
+With `--fp8-params` the FP8 layers' kernels are stored in FP8
+(`jmp_train.fp8.Fp8Param`: E4M3 values and a power-of-two scale, 1 byte per
+weight): the FP8 matmuls read the stored values, `tx.update` steps their
+float32 masters and casts them again, and `--zero1` all-gathers 1 byte per
+kernel weight.
 
 Several processes (hosts) run the same script; each joins the run with
 `jmp_train.distributed.initialize()` and loads only its own rows of each
@@ -107,6 +114,13 @@ def parse_args(argv=None):
     "recipe; without it: the preset's (FP8 for the fp8 presets only)",
   )
   p.add_argument(
+    "--fp8-params",
+    action="store_true",
+    help="store the FP8 layers' kernels in FP8 (1 byte per weight; ZeRO-1 "
+    "all-gathers those bytes); FP8 matmuls with --fp8's recipe, the "
+    "preset's, or else the default one",
+  )
+  p.add_argument(
     "--init-scale",
     type=float,
     default=2.0**15,
@@ -135,6 +149,12 @@ def parse_args(argv=None):
     if name not in jmp_train.PRESETS:
       p.error(f"unknown preset {name!r}; known: {', '.join(jmp_train.PRESETS)}")
   args.presets = presets
+  if args.fp8_params and args.fp8 in ("off", "blockwise"):
+    p.error(
+      f"--fp8-params with --fp8 {args.fp8}: FP8 params need FP8 matmuls "
+      "with one power-of-two scale per kernel; give --fp8 current, "
+      "current-pow2, delayed or default (or no --fp8)"
+    )
   return args
 
 
@@ -187,12 +207,16 @@ def run_preset(args, preset_name, text, out_dir):
     preset = dataclasses.replace(preset, loss_scale=loss_scale)
   if args.fp8 is not None:
     preset = dataclasses.replace(preset, fp8=FP8_RECIPES[args.fp8])
-  # Every matmul but the output head in FP8 (an fp8 preset or --fp8).
+  elif args.fp8_params and preset.fp8 is None:
+    preset = dataclasses.replace(preset, fp8=FP8_RECIPES["default"])
+  # Every matmul but the output head in FP8 (an fp8 preset or --fp8); with
+  # --fp8-params, `init` stores those matmuls' kernels as FP8 params.
   model = jmp_train.linen.wrap(
     GPT(args.layers, args.d_model, args.heads, args.seq_len),
     preset.policy,
     fp8=preset.fp8,
     fp8_exclude=("head",),
+    fp8_params=args.fp8_params,
   )
   # Under jit: one compilation instead of one per initializer op.
   variables = jax.jit(model.init)(
@@ -255,10 +279,14 @@ def run_preset(args, preset_name, text, out_dir):
         return loss * jmp_train.current_loss_scale(state.opt_state), loss
 
       # Gradients of the scaled loss; the FP8 metadata's "gradients" are
-      # this step's amaxes.
+      # this step's amaxes. JAX gives no gradient for an FP8 param's integer
+      # bits: `with_grad_slots` gives each a float slot its gradient lands
+      # in, and `grads_of` reads them back (no-ops without --fp8-params).
       (grads, fp8_grads), loss = jax.grad(
-        scaled_loss, argnums=(0, 1), has_aux=True
-      )(state.params, state.fp8)
+        scaled_loss, argnums=(0, 1), has_aux=True, allow_int=True
+      )(jmp_train.fp8.with_grad_slots(state.params), state.fp8)
+      grads = jmp_train.fp8.grads_of(grads)
+      # tx.update steps each FP8 param's float32 master and casts it again.
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       metrics = {"loss": loss, **jmp_train.train_metrics(opt_state)}
@@ -355,7 +383,12 @@ def run_preset(args, preset_name, text, out_dir):
     "final_loss_scale": history[-1]["loss_scale"],
     "initial_loss_scale": initial_scale,
     "param_dtypes": sorted(
-      {str(p.dtype) for p in jax.tree.leaves(state.params)}
+      {
+        str(p.dtype)  # an FP8 param's: float8_e4m3fn
+        for p in jax.tree.leaves(
+          state.params, is_leaf=jmp_train.fp8.is_fp8_param
+        )
+      }
     ),
     "evals": evals,
     "history": history,
@@ -463,6 +496,8 @@ def main(argv=None):
     mode.append(f"accum {args.accum}")
   if args.fp8 not in (None, "off"):
     mode.append(f"fp8 {args.fp8}")
+  if args.fp8_params:
+    mode.append("fp8 params")
   title = (
     f"char GPT ({args.layers}x{args.d_model}, {len(text) / 1e6:.1f} MB of "
     f"stdlib source){', ' + ', '.join(mode) if mode else ''}"

@@ -203,6 +203,79 @@ def test_fp8_matmul_benchmark_runs_every_recipe(capsys):
   assert "n = 32: delayed " in fp8.matmul_table({"fp8-matmul": result})
 
 
+def test_fp8_gather_sends_one_byte_per_fp8_kernel_weight():
+  # The example's GPT at a tiny size (every dimension divides 8: nothing
+  # padded), lowered only.
+  cfg = fp8.gpt.parse_args(
+    [*("--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8")]
+    + ["--batch-size", "8"]
+  )
+  result = fp8.gather_bytes(cfg, compiled=False)
+  # Every Dense but the head runs in FP8 and stores its kernel in FP8.
+  layers = ["attn/qkv", "attn/proj", "fc", "out"]
+  assert sorted(result["fp8_params"]) == sorted(
+    f"block0/{name}/kernel" for name in layers
+  )
+  weights = sum(result["fp8_params"].values())
+  bf16, ours = result["rows"]
+  # The written rule: an all-gather of S bytes over 8 devices sends 7S/8;
+  # a kernel weight is 2 bytes in bf16, 1 in FP8; the rest is unchanged.
+  assert bf16["kernel_ops"] == ours["kernel_ops"] == len(layers)
+  assert bf16["kernel_elements"] == ["bf16"]
+  assert ours["kernel_elements"] == ["ui8"]
+  assert bf16["kernel_bytes"] == 2 * weights * 7 / 8
+  assert ours["kernel_bytes"] == weights * 7 / 8
+  assert ours["other_bytes"] == bf16["other_bytes"] > 0
+  # Params per device: each FP8 kernel is 1 byte a weight and an int32.
+  saved = bf16["memory"]["params"] - ours["memory"]["params"]
+  assert saved == weights - 4 * len(layers)
+  text = fp8.gather_table({"fp8-gather": {"gather": result}})
+  assert verdict(text, "at most half") == "met"
+  assert "| bf16 | 4 (bf16) |" in text and "not compiled" in text
+  worse = dict(ours, kernel_bytes=0.51 * bf16["kernel_bytes"])
+  text = fp8.gather_table({"g": {"gather": dict(result, rows=[bf16, worse])}})
+  assert verdict(text, "at most half") == "not met"
+
+
+def test_fp8_gpt_adds_fp8_params_rows_and_reuses_recorded_runs(
+  tmp_path, monkeypatch
+):
+  calls = []
+
+  def fake_main(argv):  # the example's own runs are tested elsewhere
+    calls.append(argv)
+    loss = 2.0 + 0.001 * len(calls)
+    return [dict(final_val_loss=loss, skipped_steps=0, seconds=1.0)]
+
+  monkeypatch.setattr(fp8.gpt, "main", fake_main)
+  flags = ["--gpt", "--recipes", "current", "--seeds", "0,1", "--steps", "4"]
+  saved = tmp_path / "gpt.json"
+  fp8.main([*flags, "--params-recipes", "", "--json", str(saved)])
+  assert len(calls) == 4
+  calls.clear()
+  result = fp8.main([*flags, "--reuse", str(saved)])["gpt"]
+  # Only the new row trained, with --fp8-params; the rest came from JSON.
+  assert [c[2:6] for c in calls] == [
+    ["--fp8", "current", "--fp8-params", "--seed"]
+  ] * 2
+  old = json.loads(saved.read_text())["gpt"]
+  names = ["off", "current", "current+params"]
+  assert [(x["fp8"], x["seed"]) for x in result["runs"]] == [
+    (name, seed) for seed in (0, 1) for name in names
+  ]
+  assert [x for x in result["runs"] if x["fp8"] != "current+params"] == (
+    old["runs"]
+  )
+  assert result["reused"] == [[x["fp8"], x["seed"]] for x in old["runs"]]
+  text = fp8.accuracy_table({"fp8-gpt": {"gpt": result}})
+  assert "| current+params | " in text and "add `--fp8-params`" in text
+  assert "4 of these 6 runs (off, current) were recorded" in text
+  with pytest.raises(SystemExit, match="--reuse .* reuse only runs of"):
+    fp8.main([*flags[:-1], "5", "--reuse", str(saved)])
+  with pytest.raises(SystemExit):  # blockwise has no FP8 params
+    fp8.parse_args(["--gpt", "--params-recipes", "blockwise"])
+
+
 def test_compile_time_benchmark_runs_and_renders(tmp_path):
   result = compile_time.main(
     [

@@ -10,6 +10,7 @@ import sys
 import _mp_child
 import gpt
 import numpy as np
+import pytest
 
 from jmp_train import distributed, fp8
 
@@ -102,11 +103,13 @@ def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
 
 
 def test_gpt_example_one_device_step_written_out(tmp_path):
-  # The hand-written step: scaled loss, jax.grad, tx.update, apply_updates.
+  # The hand-written step: scaled loss, jax.grad (with the FP8 params' grad
+  # slots), tx.update, apply_updates.
   (run,) = gpt.main(
     [
-      *("--preset", "fp16-mixed", "--fp8", "delayed", "--steps", "20", *TINY),
-      *("--growth-interval", "4", "--eval-every", "10", "--out", str(tmp_path)),
+      *("--preset", "fp16-mixed", "--fp8", "delayed", "--fp8-params"),
+      *("--steps", "20", *TINY, "--growth-interval", "4"),
+      *("--eval-every", "10", "--out", str(tmp_path)),
     ]
   )
   saved = json.loads(
@@ -114,8 +117,17 @@ def test_gpt_example_one_device_step_written_out(tmp_path):
   )
   assert saved == json.loads(json.dumps(run))
   assert saved["devices"] == 1 and saved["fp8"]["recipe"] == "DelayedScaling"
-  assert saved["param_dtypes"] == ["float32"]
+  # The FP8 layers' kernels in FP8; the head, embeddings, norms and biases
+  # stay float32.
+  assert saved["param_dtypes"] == ["float32", "float8_e4m3fn"]
   check_trained(saved)
+
+
+def test_gpt_example_fp8_params_refuse_blockwise(capsys):
+  # Blockwise scaling has a scale per block, an FP8 param one per kernel.
+  with pytest.raises(SystemExit):
+    gpt.parse_args(["--fp8", "blockwise", "--fp8-params"])
+  assert "--fp8-params with --fp8 blockwise" in capsys.readouterr().err
 
 
 def test_gpt_text_is_the_standard_library_source():

@@ -15,7 +15,9 @@ gradients of the *scaled* loss, in the params' dtype, and
 
 Float and complex params are trained (complex ones as optax trains them).
 Integer and boolean param leaves are hidden from `inner` (like
-`optax.masked`) and never change. float8 arrays and non-array objects are
+`optax.masked`) and never change. A weight stored in FP8 (`fp8.Fp8Param`)
+keeps a float32 master and is cast again from it after each step (see
+`param_update.apply`). Bare float8 arrays and non-array objects are
 refused, as are gradients whose shape is not their param's. FP8 metadata
 (`jmp_train.fp8`) is not a param: keep it out of the params tree and
 advance it with `fp8.update`, as the train step does.
@@ -121,7 +123,9 @@ def _checked_leaves(tree: Any, what: str) -> Any:
         f"{where} has dtype {x.dtype}; float8 arrays are not trainable "
         "params (they carry no scale, and no optimizer updates them). Keep "
         "the weight in bfloat16 or float32 and run its matmuls in FP8 with "
-        "jmp_train.fp8."
+        "jmp_train.fp8, or store it as a jmp_train.fp8.Fp8Param "
+        "(fp8.cast_param; linen.wrap(..., fp8_params=True)), which carries "
+        "its scale."
       )
     return x
 
