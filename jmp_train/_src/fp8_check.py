@@ -55,7 +55,8 @@ _GEMM_TARGET = re.compile(r"^__(cublas\$(gemm|lt\$matmul)|cudnn\$conv)")
 # interpreters/mlir.py, shard_map.py).
 _JAX_LABELS = re.compile(
   r"^(rematted_computation|checkpoint|while|body|body_pred|cond|"
-  r"branch_\d+_fun|closed_call|core_call|shmap_body)$"
+  r"branch_\d+_fun|closed_call|core_call|shmap_body|"
+  r"jmp_train_policy_override)$"
 )
 _WRAPPED = re.compile(r"^([A-Za-z_]\w*)\((.*)\)$")
 _METHOD = re.compile(r"^([A-Za-z_]\w*)\.[A-Za-z_]\w*$")

@@ -265,7 +265,8 @@ def _interceptor(next_fun, args, kwargs, context):
     if override is None or outer.creating:
       return call(*args, **kwargs)
     args, kwargs = _cast_call(args, kwargs, policy.compute_dtype)
-    out = call(*args, **kwargs)
+    with jax.named_scope(policy_lib.OVERRIDE_SCOPE):  # read by autocast
+      out = call(*args, **kwargs)
   finally:
     frames.pop()
   if override.output_to_enclosing:

@@ -171,6 +171,11 @@ def with_policy_dtypes(config: Any, policy: Policy) -> Any:
   return dataclasses.replace(config, **updates) if updates else None
 
 
+# The name scope a wrapped module with a policy override runs in: autocast
+# runs what is traced inside it as written, so the override wins.
+OVERRIDE_SCOPE = "jmp_train_policy_override"
+
+
 class Override(NamedTuple):
   """A module class's policy under `linen.wrap`/`nnx.wrap`."""
 

@@ -1,0 +1,415 @@
+"""jmp_train.autocast: operand dtypes read from the jaxpr, forward and
+backward, on models written elsewhere; numerics against the same function
+cast by hand; control flow, custom rules, shard_map; composition with the
+train step, ZeRO-1, linen.wrap overrides and FP8 layers."""
+
+import _flax_models as fm
+import _models
+import flax.linen as nn
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import primitive_operand_dtypes as dtypes_of
+from jax import lax
+
+import jmp_train
+from jmp_train import AutocastLists, autocast, fp8, train, zero1
+from jmp_train import linen as mp_linen
+
+BF16 = "p=f32,c=bf16,o=f32"
+bf16, f32 = jnp.bfloat16, jnp.float32
+
+
+def _all_operands(fn, *args):
+  """(primitive, float operand dtypes) of every equation, nested included."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      names = tuple(
+        v.aval.dtype.name
+        for v in eqn.invars
+        if hasattr(v.aval, "dtype")
+        and jnp.issubdtype(v.aval.dtype, jnp.floating)
+      )
+      found.append((eqn.primitive.name, names))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(getattr(sub, "jaxpr", sub))
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def _check_lists(found, compute="bfloat16"):
+  """Every matmul in `compute`, every float32-list op in float32."""
+  lists = AutocastLists()
+  dots = [d for p, d in found if p in lists.compute]
+  assert dots and all(set(d) == {compute} for d in dots), dots
+  wide = [(p, d) for p, d in found if p in lists.float32 and d]
+  assert wide and all(set(d) == {"float32"} for _, d in wide), wide
+
+
+# -- a plain-JAX MLP with softmax cross-entropy, against casts by hand --------
+
+
+def _mlp_params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {
+    "w1": jax.random.normal(k1, (6, 16)) * 0.5,
+    "b1": jnp.full((16,), 0.1),
+    "w2": jax.random.normal(k2, (16, 5)) * 0.5,
+    "b2": jnp.full((5,), -0.2),
+  }
+
+
+def _mlp_loss(p, x, labels):
+  h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+  logits = h @ p["w2"] + p["b2"]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
+
+
+def _mlp_loss_by_hand(p, x, labels):
+  """The rules written out: matmuls in bfloat16, everything after a float32
+  operand joins in float32, exp/log/sums in float32."""
+  dot = lambda a, b: jnp.dot(a.astype(bf16), b.astype(bf16))  # noqa: E731
+  h = dot(x, p["w1"]).astype(f32) + p["b1"]
+  h = jax.nn.gelu(h)
+  logits = dot(h, p["w2"]).astype(f32) + p["b2"]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_plain_mlp_equals_the_casts_by_hand(wrap):
+  p = _mlp_params()
+  x = jax.random.normal(jax.random.key(1), (8, 6))
+  labels = jnp.arange(8) % 5
+  loss = autocast(_mlp_loss, BF16)
+  value, grads = wrap(jax.value_and_grad(loss))(p, x, labels)
+  # Under jit XLA may fold a bfloat16 product's convert to float32 into the
+  # dot: the same program in the same mode rounds the same way.
+  want, want_grads = wrap(jax.value_and_grad(_mlp_loss_by_hand))(p, x, labels)
+  np.testing.assert_allclose(value, want, rtol=1e-6)
+  for k in p:
+    np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-7)
+    assert grads[k].dtype == jnp.float32  # params keep their dtype
+  # And bfloat16 is really in use: the float32 loss differs.
+  assert abs(float(value) - float(_mlp_loss(p, x, labels))) > 1e-5
+  found = _all_operands(jax.grad(loss), p, x, labels)
+  _check_lists(found)
+  # 2 forward, 3 backward (no gradient for x)
+  assert len([d for n, d in found if n == "dot_general"]) == 5
+
+
+# -- a linen Transformer whose layers pass dtype=float32 ---------------------
+
+
+def _wmt_loss(model):
+  def loss(params, inputs, targets):
+    logits = model.apply({"params": params}, inputs, targets)
+    onehot = jax.nn.one_hot(targets, logits.shape[-1])
+    return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(logits), -1))
+
+  return loss
+
+
+def test_linen_transformer_with_float32_layers_runs_matmuls_in_bf16():
+  model = fm.Transformer(fm.TransformerConfig())  # dtype=float32 everywhere
+  inputs = jnp.array([[3, 4, 5, 0], [1, 2, 7, 9]], jnp.int32)
+  targets = jnp.array([[2, 6, 1, 0], [4, 4, 8, 3]], jnp.int32)
+  params = model.init(jax.random.key(0), inputs, targets)["params"]
+  loss = _wmt_loss(model)
+  grad = jax.grad(autocast(loss, BF16))
+  found = _all_operands(grad, params, inputs, targets)
+  _check_lists(found)
+  # Attention's softmax: its exp and sums in float32, the logits' divide too.
+  assert ("exp", ("float32",)) in found
+  assert ("rsqrt", ("float32",)) in found  # LayerNorm
+  grads = jax.jit(grad)(params, inputs, targets)
+  want = jax.jit(jax.grad(loss))(params, inputs, targets)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+    assert g.dtype == w.dtype == jnp.float32
+    np.testing.assert_allclose(g, w, rtol=0.1, atol=2e-2)
+
+
+class _Head(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(5, name="proj")(x)
+
+
+class _Net(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16, dtype=jnp.float32)(x))
+    return _Head()(x)
+
+
+def test_a_linen_wrap_float32_override_wins():
+  model = mp_linen.wrap(_Net(), BF16, overrides={_Head: "float32"})
+  x = jax.random.normal(jax.random.key(1), (4, 6))
+  params = model.init(jax.random.key(0), x)["params"]
+
+  def loss(params, x):
+    return jnp.sum(model.apply({"params": params}, x) ** 2)
+
+  ops = fp8.matmuls(jax.grad(autocast(loss, BF16)), params, x)
+  head = [m for m in ops if "_Head" in m.path]
+  body = [m for m in ops if "_Head" not in m.path]
+  assert len(head) == 3  # forward, and the gradients of its kernel and input
+  assert len(body) == 2  # forward, and its kernel's gradient
+  assert all(m.dtypes == ("float32", "float32") for m in head), head
+  assert all(m.dtypes == ("bfloat16", "bfloat16") for m in body), body
+
+
+# -- NNX: dtype= fields, BatchNorm, dropout with Rngs as a call argument -----
+
+
+def test_nnx_model_with_rngs_argument_trains_and_writes_state_back():
+  model = fm.CNN(rngs=nnx.Rngs(0))
+  reference = fm.CNN(rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
+  labels = jnp.arange(4)
+
+  def loss(model, x, rngs):
+    logits = model(x, rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, labels
+    ).mean()
+
+  rngs, ref_rngs = nnx.Rngs(dropout=7), nnx.Rngs(dropout=7)
+  grad_fn = nnx.jit(nnx.grad(autocast(loss, BF16)))
+  found = _all_operands(
+    lambda m, x: autocast(loss, BF16)(m, x, nnx.Rngs(dropout=7)), model, x
+  )
+  convs = [d for p, d in found if p == "conv_general_dilated"]
+  assert convs and all(d == ("bfloat16", "bfloat16") for d in convs)
+  first = grad_fn(model, x, rngs)
+  second = grad_fn(model, x, rngs)
+  # Dropout advanced: as many draws as the plain model makes, new masks.
+  reference(x, ref_rngs)  # the plain model, eager: the same draws and stats
+  reference(x, ref_rngs)
+  assert rngs.dropout.count.get_value() == ref_rngs.dropout.count.get_value()
+  a, b = (nnx.state(g, nnx.Param)["linear2"]["kernel"] for g in (first, second))
+  assert not np.allclose(a.get_value(), b.get_value())
+  # Batch statistics were written back, in float32, close to the plain run.
+  mean = model.batch_norm1.mean.get_value()
+  assert mean.dtype == jnp.float32 and np.abs(mean).max() > 0
+  np.testing.assert_allclose(
+    mean, reference.batch_norm1.mean.get_value(), rtol=0.05, atol=1e-3
+  )
+  for g in jax.tree.leaves(nnx.state(first, nnx.Param)):
+    assert g.dtype == jnp.float32
+
+
+# -- control flow, custom rules, shard_map ----------------------------------
+
+
+W = jax.random.normal(jax.random.key(2), (4, 4))
+X = jax.random.normal(jax.random.key(3), (8, 4))
+
+
+def test_scan_while_cond_checkpoint_and_jit_are_autocast_inside():
+  def fn(w, x):
+    def body(c, xi):  # the carry stays float32 though the matmul is bf16
+      return jnp.tanh(c @ w) + xi, jnp.sum(c)
+
+    c, ys = lax.scan(body, x[0], x)
+    c = lax.cond(c[0] > 0, lambda a: a @ w, lambda a: jnp.exp(a), c)
+    c = jax.checkpoint(lambda a: jnp.cos(a @ w))(c)
+    c = jax.jit(lambda a: a @ w)(c)
+    return jnp.sum(c) + jnp.sum(ys)
+
+  f = autocast(fn, BF16)
+  found = dtypes_of(jax.grad(f), W, X)
+  assert len(found) >= 9 and set(found) == {("bfloat16", "bfloat16")}
+  jaxpr = jax.make_jaxpr(f)(W, X)
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  n = scan.params["num_consts"]
+  assert scan.invars[n].aval.dtype == jnp.float32  # the carry
+  # Against float32: close, not equal (bfloat16 matmuls).
+  value, want = f(W, X), fn(W, X)
+  assert value.dtype == jnp.float32 and value != want
+  np.testing.assert_allclose(value, want, rtol=0.05)
+
+  def loop(w, x):  # while_loop: forward only (JAX has no reverse mode)
+    step = lambda s: (s[0] + 1, jnp.sin(s[1] @ w))  # noqa: E731
+    return jnp.sum(lax.while_loop(lambda s: s[0] < 2, step, (0, x))[1])
+
+  assert dtypes_of(autocast(loop, BF16), W, X) == [("bfloat16", "bfloat16")]
+  np.testing.assert_allclose(autocast(loop, BF16)(W, X), loop(W, X), rtol=0.05)
+
+
+def test_custom_jvp_and_custom_vjp_rules_are_kept():
+  # relu's custom JVP gives 0 at 0 (max's own rule would give 0.5).
+  g = jax.grad(autocast(lambda x: jnp.sum(jax.nn.relu(x)), BF16))(jnp.zeros(3))
+  np.testing.assert_array_equal(g, np.zeros(3))
+
+  # A straight-through estimator: round has no gradient, the rule passes 1.
+  @jax.custom_vjp
+  def ste(a):
+    return jnp.round(a)
+
+  ste.defvjp(lambda a: (jnp.round(a), None), lambda _, g: (g,))
+
+  def loss(w, x):
+    return jnp.sum(ste(x @ w) * 3.0)
+
+  grads = jax.grad(autocast(loss, BF16))(W, X)
+  want = 3.0 * X.astype(bf16).astype(f32).sum(0)[:, None] * jnp.ones((1, 4))
+  np.testing.assert_allclose(grads, want, rtol=1e-2)
+
+  # A VJP whose bwd does a matmul of its own: autocast there too.
+  @jax.custom_vjp
+  def sig(a):
+    return jax.nn.sigmoid(a)
+
+  def fwd(a):
+    s = jax.nn.sigmoid(a)
+    return s, s
+
+  sig.defvjp(fwd, lambda s, g: ((g * s * (1 - s)) @ jnp.eye(s.shape[-1]),))
+  loss2 = autocast(lambda w, x: jnp.sum(sig(x @ w) ** 2), BF16)
+  assert set(dtypes_of(jax.grad(loss2), W, X)) == {("bfloat16", "bfloat16")}
+  plain = jax.grad(lambda w, x: jnp.sum(jax.nn.sigmoid(x @ w) ** 2))(W, X)
+  np.testing.assert_allclose(jax.grad(loss2)(W, X), plain, rtol=0.05, atol=0.02)
+
+
+def test_shard_map_with_psum():
+  mesh = _models.mesh()
+
+  def fn(w, x):
+    def local(w, x):
+      return lax.psum(jnp.sum(jnp.tanh(x @ w)), "data")
+
+    return jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(jax.P(), jax.P("data")),
+      out_specs=jax.P(),
+    )(w, x)
+
+  f = autocast(fn, BF16)
+  assert dtypes_of(jax.jit(jax.grad(f)), W, X)  # traced through
+  assert set(dtypes_of(jax.grad(f), W, X)) == {("bfloat16", "bfloat16")}
+  g = jax.jit(jax.grad(f))(W, X)
+  np.testing.assert_allclose(g, jax.grad(fn)(W, X), rtol=0.05, atol=0.05)
+
+
+# -- what is never cast -----------------------------------------------------
+
+
+def test_integers_booleans_and_constants_that_would_overflow():
+  def fn(w, idx, mask, x):
+    rows = w[idx] * 2  # a gather with int indices
+    scores = jnp.where(mask, x @ w, -1e30)  # -1e30 is -inf in float16
+    return jnp.sum(rows) + jnp.sum(jax.nn.softmax(scores)), idx + 1
+
+  f = autocast(fn, "p=f32,c=f16,o=f16")
+  idx = jnp.array([0, 3])
+  mask = jnp.arange(4) < 2
+  value, ints = f(W, idx, mask, X)
+  assert ints.dtype == jnp.int32 and list(ints) == [1, 4]
+  assert value.dtype == jnp.float16  # the policy's output dtype
+  # The masked scores stayed finite: softmax sums to 1 per row.
+  np.testing.assert_allclose(
+    float(value), float(jnp.sum(W[idx] * 2) + 8), rtol=1e-2
+  )
+
+
+def test_fp8_layers_are_left_alone():
+  model = mp_linen.wrap(_Net(), "float32", fp8="current")
+  x = jax.random.normal(jax.random.key(1), (4, 6))
+  variables = model.init(jax.random.key(0), x)
+
+  def loss(params, fp8_meta, x):
+    y = model.apply({"params": params, "fp8_meta": fp8_meta}, x)
+    return jnp.sum(y**2)
+
+  grad = jax.grad(autocast(loss, BF16), argnums=(0, 1))
+  args = (variables["params"], variables["fp8_meta"], x)
+  ops = fp8.matmuls(grad, *args)
+  assert len(ops) == 6
+  assert all(all(d.startswith("float8") for d in m.dtypes) for m in ops), ops
+  want = jax.grad(loss, argnums=(0, 1))(*args)
+  got = grad(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+# -- the train step: float16 with a loss scale, ZeRO-1 ------------------------
+
+
+def test_fp16_train_step_with_zero1_equals_a_hand_written_loop():
+  data = _models.batches(5, poison_at=(2,))
+  params = _models.init_params()
+  loss = autocast(_models.loss, "p=f32,c=f16,o=f32")
+  tx = _models.tx()
+
+  # The reference: one device, plain jax.grad of the scaled loss.
+  state = tx.init(params)
+  ref_params, ref_losses = params, []
+  step = jax.jit(
+    lambda p, s, b: (lambda v_g: (*tx.update(v_g[1], s, p), v_g[0]))(
+      jax.value_and_grad(
+        lambda p: loss(p, b) * jmp_train.current_loss_scale(s)
+      )(p)
+    )
+  )
+  for batch in data:
+    updates, state, value = step(ref_params, state, batch)
+    ref_params = optax.apply_updates(ref_params, updates)
+    ref_losses.append(float(value / jmp_train.current_loss_scale(state)))
+
+  plan = zero1.make_plan(tx, params, _models.mesh())
+  tstate = train.TrainState.create(params=params, tx=tx, plan=plan)
+  tstep = train.make_train_step(
+    lambda p, b, model_state, key: loss(p, b), tx, plan=plan
+  )
+  assert set(dtypes_of(tstep, tstate, data[0])) == {("float16", "float16")}
+  finite = []
+  for batch in data:
+    tstate, metrics = tstep(tstate, batch)
+    finite.append(bool(metrics["last_step_finite"]))
+  assert finite == [True, True, False, True, True]
+  got = zero1.to_logical(plan, tstate).params
+  for g, w in zip(
+    jax.tree.leaves(got), jax.tree.leaves(ref_params), strict=True
+  ):
+    np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-4)
+
+
+# -- the lists --------------------------------------------------------------
+
+
+def test_lists_are_changeable_and_validated():
+  tanh = lambda x: jnp.tanh(x.astype(bf16))  # noqa: E731
+  default = _all_operands(autocast(tanh, BF16), X)
+  assert ("tanh", ("bfloat16",)) in default  # promote: its own dtype
+  lists = AutocastLists().with_ops(float32={"tanh"})
+  assert ("tanh", ("float32",)) in _all_operands(
+    autocast(tanh, BF16, lists=lists), X
+  )
+  # Moving dot_general off the compute list keeps the matmul in float32.
+  lists = AutocastLists().with_ops(as_written={"dot_general"})
+  assert dtypes_of(autocast(lambda a: a @ W, BF16, lists=lists), X) == [
+    ("float32", "float32")
+  ]
+  with pytest.raises(ValueError, match="'exp' is on both"):
+    AutocastLists(compute={"exp", "dot_general"})
+  with pytest.raises(
+    ValueError, match=r"no loaded primitive is named \['tnah'\]"
+  ):
+    AutocastLists().with_ops(float32={"tnah"})
+  with pytest.raises(ValueError, match="unknown list"):
+    AutocastLists().with_ops(half={"exp"})
+  with pytest.raises(TypeError, match="set of primitive names"):
+    AutocastLists(float32="exp")
+  with pytest.raises(ValueError, match="compute dtype float64"):
+    autocast(tanh, "float64")
+  with pytest.raises(TypeError, match="AutocastLists"):
+    autocast(tanh, BF16, lists={"exp"})
