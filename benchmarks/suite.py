@@ -54,6 +54,7 @@ CPU_JOBS = {
   "fp8": "fp8.py --accuracy",
   "fp8-gpt": "fp8.py --gpt --steps 400 --seeds 0,1,2",
   "fp8-gather": "fp8.py --gather",
+  "autocast": "autocast.py --steps 400",
   "gpt": "gpt_compare.py --chart docs/gpt-compare.png",
   "multihost": "multihost.py",
   "lean-memory": "lean_state.py memory",
@@ -90,6 +91,8 @@ CPU_QUICK = {
   " --batch-size 8",
   "gpt": "gpt_compare.py --steps 6 --layers 1 --d-model 32 --seq-len 16"
   " --eval-every 3 --text-bytes 100000",
+  "autocast": "autocast.py --steps 6 --layers 1 --d-model 32 --seq-len 16"
+  " --eval-every 3 --text-bytes 100000 --rounds 1 --calls 2",
   "multihost": "multihost.py --layers 1 --d-model 32 --seq-len 16 --batch 8"
   " --steps 2 --warmup 1 --rounds 1",
   "lean-memory": "lean_state.py memory --presets bf16-true,bf16-remainders"

@@ -6,6 +6,7 @@
   python examples/gpt.py --fp8                        # FP8 matmuls (head excluded)
   python examples/gpt.py --fp8 delayed                # ... with another recipe
   python examples/gpt.py --fp8 --fp8-params           # ... and FP8 kernels
+  python examples/gpt.py --autocast                   # per-op autocast of the model as written
   python examples/gpt.py --compare fp32,bf16-mixed,fp16-mixed   # one chart
 
 The text is the .py files next to the `os` module (Python's own library), read
@@ -121,6 +122,12 @@ def parse_args(argv=None):
     "preset's, or else the default one",
   )
   p.add_argument(
+    "--autocast",
+    action="store_true",
+    help="per-operation autocast (jmp_train.autocast, Apex O1) of the model "
+    "as written, instead of per-module linen.wrap (Apex O2)",
+  )
+  p.add_argument(
     "--init-scale",
     type=float,
     default=2.0**15,
@@ -149,6 +156,14 @@ def parse_args(argv=None):
     if name not in jmp_train.PRESETS:
       p.error(f"unknown preset {name!r}; known: {', '.join(jmp_train.PRESETS)}")
   args.presets = presets
+  fp8_presets = [n for n in presets if jmp_train.get_preset(n).fp8]
+  if args.autocast and (
+    args.fp8 not in (None, "off") or args.fp8_params or fp8_presets
+  ):
+    p.error(
+      "--autocast runs the model as written, with no FP8 layers: drop --fp8, "
+      f"--fp8-params and fp8 presets ({', '.join(fp8_presets) or 'none'})"
+    )
   if args.fp8_params and args.fp8 in ("off", "blockwise"):
     p.error(
       f"--fp8-params with --fp8 {args.fp8}: FP8 params need FP8 matmuls "
@@ -211,17 +226,25 @@ def run_preset(args, preset_name, text, out_dir):
     preset = dataclasses.replace(preset, fp8=FP8_RECIPES["default"])
   # Every matmul but the output head in FP8 (an fp8 preset or --fp8); with
   # --fp8-params, `init` stores those matmuls' kernels as FP8 params.
-  model = jmp_train.linen.wrap(
-    GPT(args.layers, args.d_model, args.heads, args.seq_len),
-    preset.policy,
-    fp8=preset.fp8,
-    fp8_exclude=("head",),
-    fp8_params=args.fp8_params,
-  )
+  model = GPT(args.layers, args.d_model, args.heads, args.seq_len)
+  if not args.autocast:
+    model = jmp_train.linen.wrap(
+      model,
+      preset.policy,
+      fp8=preset.fp8,
+      fp8_exclude=("head",),
+      fp8_params=args.fp8_params,
+    )
   # Under jit: one compilation instead of one per initializer op.
   variables = jax.jit(model.init)(
     jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32)
   )
+  apply = model.apply
+  if args.autocast:
+    # The model as written (float32 layers); each primitive of its apply runs
+    # in the precision of autocast's lists, params stored as the preset says.
+    apply = jmp_train.autocast(model.apply, preset.policy)
+    variables = {"params": preset.policy.cast_to_param(variables["params"])}
   schedule = optax.warmup_cosine_decay_schedule(
     0.0,
     args.lr,
@@ -274,7 +297,7 @@ def run_preset(args, preset_name, text, out_dir):
     def train_step(state, batch):
       def scaled_loss(params, fp8_meta):
         variables = {"params": params, "fp8_meta": fp8_meta}
-        logits = model.apply(variables, batch[:, :-1])
+        logits = apply(variables, batch[:, :-1])
         loss = cross_entropy(logits, batch[:, 1:])
         return loss * jmp_train.current_loss_scale(state.opt_state), loss
 
@@ -304,7 +327,7 @@ def run_preset(args, preset_name, text, out_dir):
     # float32) and per device (reduce-scattered to the ZeRO-1 shards).
     def loss_fn(params, batch, model_state, key):
       # model_state holds the FP8 metadata ("fp8_meta") when there is some.
-      logits = model.apply({"params": params, **model_state}, batch[:, :-1])
+      logits = apply({"params": params, **model_state}, batch[:, :-1])
       return cross_entropy(logits, batch[:, 1:])
 
     train_step = train.make_train_step(
@@ -325,7 +348,7 @@ def run_preset(args, preset_name, text, out_dir):
   def val_loss(state, batches):
     def one(batch):
       variables = {"params": state.params, "fp8_meta": state.fp8}
-      return cross_entropy(model.apply(variables, batch[:, :-1]), batch[:, 1:])
+      return cross_entropy(apply(variables, batch[:, :-1]), batch[:, 1:])
 
     return jnp.mean(jax.lax.map(one, batches))
 
@@ -484,7 +507,8 @@ def main(argv=None):
     jax.config.update("jax_num_cpu_devices", ZERO1_DEVICES)
   text = load_text(args.text_bytes)
   out_dir = pathlib.Path(args.out) / (
-    "gpt-compare" if args.compare else f"gpt-{args.preset}"
+    ("gpt-compare" if args.compare else f"gpt-{args.preset}")
+    + ("-autocast" if args.autocast else "")
   )
   runs = [run_preset(args, name, text, out_dir) for name in args.presets]
   mode = []
@@ -498,6 +522,8 @@ def main(argv=None):
     mode.append(f"fp8 {args.fp8}")
   if args.fp8_params:
     mode.append("fp8 params")
+  if args.autocast:
+    mode.append("autocast")
   title = (
     f"char GPT ({args.layers}x{args.d_model}, {len(text) / 1e6:.1f} MB of "
     f"stdlib source){', ' + ', '.join(mode) if mode else ''}"

@@ -13,6 +13,7 @@ sys.path.insert(
   0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
 )
 
+import autocast as autocast_bench
 import compile_time
 import fp8
 import gpt2
@@ -380,3 +381,27 @@ def test_lean_state_verdicts_follow_the_numbers():
   ]
   text = lean_state.memory_table({"lean-memory": dict(memory, rows=rows)})
   assert verdict(text, "bf16-remainders at 14 B/param") == "not met"
+
+
+def test_autocast_table_verdict_follows_the_gap():
+  cost = {"trace_s": 1.0, "compile_s": 2.0, "step_ms": 3.0}
+  run = {"steps": 400}
+
+  def result(gap):
+    return {
+      "preset": "bf16-mixed",
+      "config": dict(layers=2, d_model=128, heads=4, seq_len=64, batch_size=32),
+      "cost": {"linen.wrap": cost, "autocast": dict(cost, step_ms=6.0)},
+      "runs": {
+        "linen.wrap": dict(run, final_val_loss=2.0),
+        "autocast": dict(run, final_val_loss=2.0 + gap),
+      },
+    }
+
+  met = autocast_bench.table({"a": result(-0.004)})
+  assert "-0.0040; goal within 0.01: **met**" in met
+  assert (
+    "| autocast | 1.9960 | 1.00 (1.000x) | 2.00 (1.000x) | 6.0 (2.000x) |"
+    in met
+  )
+  assert "**not met**" in autocast_bench.table({"a": result(0.02)})

@@ -132,6 +132,26 @@ def test_gpt_example_fp8_params_refuse_blockwise(capsys):
   assert "--fp8-params with --fp8 blockwise" in capsys.readouterr().err
 
 
+def test_gpt_example_autocast_trains_fp16_with_its_loss_scale(tmp_path):
+  # --autocast: the model as written, float16 matmuls per operation, the
+  # hand-written step's loss scale at work.
+  (run,) = gpt.main(
+    [
+      *("--preset", "fp16-mixed", "--autocast", "--steps", "16", *TINY),
+      *("--growth-interval", "4", "--eval-every", "8", "--out", str(tmp_path)),
+    ]
+  )
+  assert (tmp_path / "gpt-fp16-mixed-autocast" / "curves.png").exists()
+  assert run["param_dtypes"] == ["float32"] and run["fp8"] is None
+  check_trained(run)
+
+
+def test_gpt_example_autocast_refuses_fp8(capsys):
+  with pytest.raises(SystemExit):
+    gpt.parse_args(["--autocast", "--preset", "bf16-fp8-mixed"])
+  assert "--autocast runs the model as written" in capsys.readouterr().err
+
+
 def test_gpt_text_is_the_standard_library_source():
   text = gpt.load_text(50_000)
   assert text.dtype == "uint8" and len(text) == 50_000 and text.max() < 128

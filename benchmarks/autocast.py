@@ -1,0 +1,162 @@
+"""Per-operation autocast against per-module linen.wrap on the GPT example.
+
+Two measurements, side by side in one process:
+- quality: `examples/gpt.py` trained twice on the same batches, once with
+  `linen.wrap` and once with `--autocast`; the final validation losses;
+- cost: the example's loss and gradient (`jax.jit(jax.value_and_grad)`),
+  its trace (`lower`) and `compile` times and its step time, both ways,
+  timed in alternating rounds (the median of each).
+
+  python benchmarks/autocast.py --steps 400
+  python benchmarks/autocast.py --steps 6 --layers 1 --d-model 32   # smoke
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(
+  0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+)
+
+import gpt
+import jax
+import jax.numpy as jnp
+import md
+from gpt_model import GPT, cross_entropy
+
+import jmp_train
+
+GOAL = 0.01  # |val loss (autocast) - val loss (linen.wrap)|
+
+
+def _steps(args):
+  """The loss-and-gradient function of each mode, and its arguments."""
+  model = GPT(args.layers, args.d_model, args.heads, args.seq_len)
+  tokens = jnp.zeros((args.batch_size, args.seq_len + 1), jnp.int32)
+  params = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
+  wrapped = jmp_train.linen.wrap(model, args.preset_policy)
+  modes = {
+    "linen.wrap": wrapped.apply,
+    "autocast": jmp_train.autocast(model.apply, args.preset_policy),
+  }
+
+  def grad_fn(apply):
+    def loss(params, batch):
+      return cross_entropy(
+        apply({"params": params}, batch[:, :-1]), batch[:, 1:]
+      )
+
+    return jax.value_and_grad(loss)
+
+  return {k: grad_fn(v) for k, v in modes.items()}, (params, tokens)
+
+
+def cost(args) -> dict:
+  out, compiled = {}, {}
+  # Twice each, the second counted: the first trace in a process also pays
+  # for JAX's and Flax's own warm-up. New functions each time, so that
+  # neither JAX's trace cache nor its compile cache answers.
+  for _ in range(2):
+    fns, fn_args = _steps(args)
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      lowered = jax.jit(fn).lower(*fn_args)
+      trace = time.perf_counter() - start
+      start = time.perf_counter()
+      compiled[name] = lowered.compile()
+      out[name] = {"trace_s": trace, "compile_s": time.perf_counter() - start}
+      jax.block_until_ready(compiled[name](*fn_args))
+  times = {name: [] for name in fns}
+  for _ in range(args.rounds):
+    for name, step in compiled.items():
+      start = time.perf_counter()
+      for _ in range(args.calls):
+        result = step(*fn_args)
+      jax.block_until_ready(result)
+      times[name].append((time.perf_counter() - start) / args.calls)
+  for name in fns:
+    out[name]["step_ms"] = 1e3 * statistics.median(times[name])
+  return out
+
+
+def quality(args, example_args) -> dict:
+  runs = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, flags in (("linen.wrap", []), ("autocast", ["--autocast"])):
+      (run,) = gpt.main(
+        ["--preset", args.preset, "--out", tmp, *flags, *example_args]
+      )
+      runs[name] = {k: v for k, v in run.items() if k != "history"}
+  return runs
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="bf16-mixed")
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--calls", type=int, default=10)
+  p.add_argument("--json", default=None)
+  args, example_args = p.parse_known_args(argv)
+  config = gpt.parse_args(example_args)
+  for k in ("layers", "d_model", "heads", "seq_len", "batch_size"):
+    setattr(args, k, getattr(config, k))
+  args.preset_policy = jmp_train.get_preset(args.preset).policy
+  result = {
+    "preset": args.preset,
+    "config": {k: getattr(config, k) for k in ("layers", "d_model", "heads")}
+    | {"seq_len": config.seq_len, "batch_size": config.batch_size},
+    "cost": cost(args),
+    "runs": quality(args, example_args),
+  }
+  print(table({"autocast": result}))
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+  return result
+
+
+def table(results: dict) -> str:
+  """Validation losses, trace, compile and step times of the two modes."""
+  if not results:
+    return md.not_measured("benchmarks/autocast.py")
+  (result,) = results.values()
+  runs, cost_ = result["runs"], result["cost"]
+  base = cost_["linen.wrap"]
+  rows = []
+  for name in ("linen.wrap", "autocast"):
+    c = cost_[name]
+    rows.append(
+      [
+        name,
+        f"{runs[name]['final_val_loss']:.4f}",
+        f"{c['trace_s']:.2f} ({md.ratio(c['trace_s'] / base['trace_s'])})",
+        f"{c['compile_s']:.2f} ({md.ratio(c['compile_s'] / base['compile_s'])})",
+        f"{c['step_ms']:.1f} ({md.ratio(c['step_ms'] / base['step_ms'])})",
+      ]
+    )
+  gap = (
+    runs["autocast"]["final_val_loss"] - runs["linen.wrap"]["final_val_loss"]
+  )
+  cfg, steps = result["config"], runs["autocast"]["steps"]
+  header = ["mode", "final val loss", "trace s", "compile s", "step ms"]
+  return "\n".join(
+    [
+      f"`python benchmarks/autocast.py --steps {steps}`: the GPT example"
+      f" ({cfg['layers']} layers, d_model {cfg['d_model']}, batch"
+      f" {cfg['batch_size']} x {cfg['seq_len']}), preset {result['preset']};"
+      " times of `jax.jit(jax.value_and_grad(loss))`, ratios to linen.wrap.",
+      "",
+      md.table(header, rows),
+      "",
+      f"Validation loss, autocast minus linen.wrap after {steps} steps:"
+      f" {gap:+.4f}; goal within {GOAL}: {md.verdict(abs(gap) <= GOAL)}.",
+    ]
+  )
+
+
+if __name__ == "__main__":
+  main()
