@@ -373,6 +373,13 @@ def _instantiate(x: Any, aval: Any) -> Any:
   return x
 
 
+def _zero_tangent(shape: Any) -> Any:
+  """The zero tangent of an output: float0 for integer and bool outputs."""
+  if jnp.issubdtype(shape.dtype, jnp.inexact):
+    return jnp.zeros(shape.shape, shape.dtype)
+  return np.zeros(shape.shape, jax.dtypes.float0)
+
+
 def _custom_jvp(eqn, invals, config):
   params = eqn.params
   call = params["call_jaxpr"]
@@ -403,7 +410,7 @@ def _custom_jvp(eqn, invals, config):
     primals_out = _cast_outputs(outs[:n_out], dtypes)
     nonzero_out = iter(outs[n_out:])
     tangents_out = [
-      jnp.zeros(s.shape, s.dtype) if z else _cast(next(nonzero_out), s.dtype)
+      _zero_tangent(s) if z else _cast(next(nonzero_out), s.dtype)
       for s, z in zip(out_shapes, out_zeros, strict=True)
     ]
     return primals_out, tangents_out
