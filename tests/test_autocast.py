@@ -18,6 +18,7 @@ from jax import lax
 import jmp_train
 from jmp_train import AutocastLists, autocast, fp8, train, zero1
 from jmp_train import linen as mp_linen
+from jmp_train import nnx as mp_nnx
 
 BF16 = "p=f32,c=bf16,o=f32"
 bf16, f32 = jnp.bfloat16, jnp.float32
@@ -310,21 +311,71 @@ def test_shard_map_with_psum():
 
 
 def test_integers_booleans_and_constants_that_would_overflow():
-  def fn(w, idx, mask, x):
+  def fn(w, idx, x):
     rows = w[idx] * 2  # a gather with int indices
-    scores = jnp.where(mask, x @ w, -1e30)  # -1e30 is -inf in float16
-    return jnp.sum(rows) + jnp.sum(jax.nn.softmax(scores)), idx + 1
+    return jnp.sum(rows), idx + 1
 
-  f = autocast(fn, "p=f32,c=f16,o=f16")
-  idx = jnp.array([0, 3])
-  mask = jnp.arange(4) < 2
-  value, ints = f(W, idx, mask, X)
+  value, ints = autocast(fn, "p=f32,c=f16,o=f16")(W, jnp.array([0, 3]), X)
   assert ints.dtype == jnp.int32 and list(ints) == [1, 4]
   assert value.dtype == jnp.float16  # the policy's output dtype
-  # The masked scores stayed finite: softmax sums to 1 per row.
   np.testing.assert_allclose(
-    float(value), float(jnp.sum(W[idx] * 2) + 8), rtol=1e-2
+    float(value), float(jnp.sum(W[jnp.array([0, 3])] * 2)), 1e-3
   )
+
+  # A program constant does not widen (0.1 with a bfloat16 product stays
+  # bfloat16), unless the narrow dtype would make it inf: -1e30 in float16.
+  scaled = lambda w, x: (x @ w) * 0.1  # noqa: E731
+  assert ("mul", ("bfloat16", "bfloat16")) in _all_operands(
+    autocast(scaled, BF16), W, X
+  )
+  floor = lambda w, x: jnp.minimum(x @ w, -1e30)  # noqa: E731
+  np.testing.assert_array_equal(
+    autocast(floor, "p=f32,c=f16,o=f32")(W, X), np.full((8, 4), -1e30, f32)
+  )
+  # The same for a constant in a primitive's parameters (gather's fill).
+  take = lambda w, x: jnp.take(  # noqa: E731
+    x @ w, jnp.array([0, 9]), axis=0, mode="fill", fill_value=-1e30
+  )
+  np.testing.assert_array_equal(
+    autocast(take, "p=f32,c=f16,o=f32")(W, X)[1], np.full(4, -1e30, f32)
+  )
+
+
+def test_what_the_program_asks_for_wins():
+  # An inner autocast with its own policy (here float32: an opt-out).
+  head = autocast(lambda h, w: h @ w, "float32")
+  nested = lambda w, x: jnp.sum(head(jnp.tanh(x @ w), w))  # noqa: E731
+  assert dtypes_of(autocast(nested, BF16), W, X) == [
+    ("bfloat16", "bfloat16"),
+    ("float32", "float32"),
+  ]
+  # An explicit matmul precision (an algorithm, or HIGHEST).
+  exact = lambda w, x: jnp.dot(x, w, precision="highest")  # noqa: E731
+  assert dtypes_of(autocast(exact, BF16), W, X) == [("float32", "float32")]
+  # An nnx.wrap override.
+  net = nnx.Sequential(
+    nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+  )
+  net = mp_nnx.wrap(net, BF16, overrides={nnx.Linear: "float32"})
+  graph, state = nnx.split(net)
+  run = autocast(lambda m, x: m(x), BF16)
+  assert set(dtypes_of(lambda s, x: run(nnx.merge(graph, s), x), state, X)) == {
+    ("float32", "float32")
+  }
+
+
+def test_nnx_module_as_fn_and_a_module_only_read_from_outside():
+  bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+  y = autocast(bn, BF16)(X)  # the module is the function
+  assert y.dtype == jnp.float32
+  # momentum 0.99: the running mean moves 1% of the way to the batch mean
+  np.testing.assert_allclose(bn.mean.get_value(), 0.01 * X.mean(0), rtol=1e-5)
+  # A module closed over by jit is only read: nothing is written back.
+  lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  value = jax.jit(lambda x: autocast(lambda m, x: jnp.sum(m(x)), BF16)(lin, x))(
+    X
+  )
+  np.testing.assert_allclose(value, jnp.sum(lin(X)), rtol=0.02)
 
 
 def test_fp8_layers_are_left_alone():
@@ -415,6 +466,17 @@ def test_lists_are_changeable_and_validated():
     AutocastLists().with_ops(half={"exp"})
   with pytest.raises(TypeError, match="set of primitive names"):
     AutocastLists(float32="exp")
+  with pytest.raises(ValueError, match="'scan' is evaluated structurally"):
+    AutocastLists().with_ops(float32={"scan"})
+  scatter = AutocastLists().with_ops(float32={"scatter-add"})
+  with pytest.raises(ValueError, match="'scatter-add' is on the float32"):
+    autocast(lambda x: x.at[0].add(x[1]), BF16, lists=scatter)(X)
+  # scan on as_written: the whole loop as traced, its matmul in float32.
+  whole = AutocastLists().with_ops(as_written={"scan"})
+  loop = lambda x: lax.scan(lambda c, xi: (c @ W, None), x[0], x)[0]  # noqa: E731
+  assert dtypes_of(autocast(loop, BF16, lists=whole), X) == [
+    ("float32", "float32")
+  ]
   with pytest.raises(ValueError, match="compute dtype float64"):
     autocast(tanh, "float64")
   with pytest.raises(TypeError, match="AutocastLists"):

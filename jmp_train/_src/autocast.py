@@ -17,9 +17,11 @@ that names it (`AutocastLists`):
 
 Integer, boolean, complex and FP8 values are never cast. A primitive with an
 FP8 operand, and a `custom_jvp`/`custom_vjp` function that computes with FP8
-values (jmp_train's FP8 matmuls), runs as written. So does everything traced
-inside a `linen.wrap` module that has a policy override (its name scope
-`OVERRIDE_SCOPE`): the override wins.
+values (jmp_train's FP8 matmuls), runs as written. So does a matmul with an
+explicit precision, and everything traced inside a region with a policy of
+its own: a `linen.wrap`/`nnx.wrap` module with a policy override, or an inner
+`autocast` (both open the name scope `OVERRIDE_SCOPE`). The innermost policy
+wins.
 
 Higher-order primitives are evaluated structurally, with their bodies
 autocast: `jit` (inlined, its explicit shardings kept as constraints),
@@ -52,7 +54,7 @@ from jax._src import ad_util, source_info_util
 from jax.extend import core as jex_core
 
 from jmp_train._src import policy as policy_lib
-from jmp_train._src.autocast_lists import AutocastLists
+from jmp_train._src.autocast_lists import STRUCTURAL, AutocastLists
 
 # linen.wrap runs a module that has a policy override in this name scope:
 # what is traced inside it runs as written.
@@ -122,13 +124,8 @@ def _promoted(values: list, atoms: list) -> np.dtype | None:
     jnp.promote_types, strong or [_dtype(v) for v, _ in floats]
   )
   for _, a in floats:
-    if isinstance(a, jex_core.Literal):
-      value = np.asarray(a.val)
-      with np.errstate(over="ignore"):
-        if np.all(np.isfinite(value)) and not np.all(
-          np.isfinite(value.astype(dtype))
-        ):
-          dtype = jnp.promote_types(dtype, value.dtype)
+    if isinstance(a, jex_core.Literal) and _overflows(a.val, dtype):
+      dtype = jnp.promote_types(dtype, np.asarray(a.val).dtype)
   return np.dtype(dtype)
 
 
@@ -212,15 +209,23 @@ def _eval_eqn(eqn: Any, invals: list, config: _Config) -> Any:
   as_written = lambda: _bind(eqn, _as_written(invals, avals))  # noqa: E731
   if _overridden(eqn):
     return as_written()
+  rule = config.lists.rule(name)
   structural = _STRUCTURAL.get(name)
   if structural is not None:
-    return structural(eqn, invals, config)
-  rule = config.lists.rule(name)
+    return (
+      as_written() if rule == "as_written" else structural(eqn, invals, config)
+    )
   if rule == "as_written" or any(
     hasattr(a, "dtype") and _is_fp8_dtype(a.dtype) for a in avals
   ):
     return as_written()
   if list(jex_core.jaxprs_in_params(eqn.params)):
+    if rule != "promote":
+      raise ValueError(
+        f"autocast: primitive {name!r} is on the {rule} list, but it "
+        "carries a jaxpr (its combiner or body), which autocast runs as "
+        "written; take it off that list (or put it on as_written)."
+      )
     return as_written()  # a higher-order primitive autocast cannot open
   if rule == "passthrough":
     return _bind(eqn, invals)
@@ -239,40 +244,81 @@ def _eval_eqn(eqn: Any, invals: list, config: _Config) -> Any:
   dtype = _promoted(invals, eqn.invars)
   if dtype is None:
     return _bind(eqn, invals)
+  fill = eqn.params.get("fill_value")  # gather's, for out-of-bounds rows
+  if fill is not None and _overflows(fill, dtype):
+    return as_written()
   return _bind(eqn, [_cast(x, dtype) for x in invals])
+
+
+def _overflows(value: Any, dtype: Any) -> bool:
+  """Whether finite `value` becomes inf in `dtype` (-1e30 in float16)."""
+  value = np.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    return False
+  with np.errstate(over="ignore"):
+    return bool(
+      np.all(np.isfinite(value))
+      and not np.all(np.isfinite(value.astype(dtype)))
+    )
+
+
+def _explicit_precision(precision: Any) -> bool:
+  """A matmul precision the program asked for (an algorithm, HIGH,
+  HIGHEST), which operands in a narrower dtype would not honour."""
+  if precision is None:
+    return False
+  if isinstance(precision, (tuple, list)):
+    return any(_explicit_precision(p) for p in precision)
+  return precision != lax.Precision.DEFAULT
+
+
+_ABSENT = object()
 
 
 def _compute(eqn: Any, invals: list, avals: list, config: _Config) -> Any:
   """A matmul or convolution in the compute dtype."""
-  dtypes = [_dtype(x) for x in invals]
+  # The two matmul operands: an integer one (a quantized matmul) or a
+  # float64 one (torch leaves those too) keeps the op as it is. Further
+  # operands (ragged_dot's group sizes) are never cast.
+  dtypes = [_dtype(x) for x in invals[:2]]
   if not all(_castable(d) for d in dtypes) or any(
     d == np.dtype(jnp.float64) for d in dtypes
   ):
-    return _bind(eqn, invals)  # ints, or float64 (torch leaves those too)
+    return _bind(eqn, invals)
   params = dict(eqn.params)
+  if _explicit_precision(params.get("precision")):
+    # An algorithm or HIGHEST the program asked for: as written.
+    return _bind(eqn, _as_written(invals, avals))
   traced = functools.reduce(jnp.promote_types, [a.dtype for a in avals])
-  preferred = params.get("preferred_element_type")
-  if preferred is None or np.dtype(preferred) == np.dtype(traced):
+  preferred = params.get("preferred_element_type", _ABSENT)
+  if preferred is None or (
+    preferred is not _ABSENT and np.dtype(preferred) == np.dtype(traced)
+  ):
     # The product in the compute dtype; an explicitly wider output (say
     # bfloat16 operands with a float32 result) is kept.
     params["preferred_element_type"] = config.compute_dtype
-  invals = [_cast(x, config.compute_dtype) for x in invals]
+  invals = [_cast(x, config.compute_dtype) for x in invals[:2]] + invals[2:]
   return eqn.primitive.bind(*invals, **params)
 
 
 # --- higher-order primitives ----------------------------------------------
 
 
+def _constrain(x: Any, sharding: Any) -> Any:
+  """`x` laid out as a jit's explicit `sharding` asks (none: as it is)."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return x
+  auto = jax.sharding.AxisType.Auto
+  if all(t == auto for t in sharding.mesh.axis_types):
+    return jax.lax.with_sharding_constraint(x, sharding)
+  return jax.sharding.reshard(x, sharding)  # Explicit axes: a layout change
+
+
 def _jit(eqn, invals, config):
   params = eqn.params
 
   def constrain(values, shardings):
-    return [
-      jax.lax.with_sharding_constraint(x, s)
-      if isinstance(s, jax.sharding.NamedSharding)
-      else x
-      for x, s in zip(values, shardings, strict=True)
-    ]
+    return [_constrain(x, s) for x, s in zip(values, shardings, strict=True)]
 
   invals = constrain(invals, params["in_shardings"])
   outs = _closed(params["jaxpr"], config)(*invals)
@@ -388,7 +434,8 @@ def _custom_jvp(eqn, invals, config):
   n_consts = params["num_consts"]
   consts, primals = invals[:n_consts], invals[n_consts:]
   primal_avals = call.in_avals[n_consts:]
-  floats = [_castable(a.dtype) for a in primal_avals]
+  # Inputs with a tangent: float and complex ones (ints and bools have none).
+  floats = [jnp.issubdtype(a.dtype, jnp.inexact) for a in primal_avals]
 
   def primal(*args):
     return _eval(call.jaxpr, call.consts, [*consts, *args], config)
@@ -398,7 +445,7 @@ def _custom_jvp(eqn, invals, config):
   @fn.defjvp
   def rule(primals, tangents):
     out_shapes = jax.eval_shape(primal, *primals)
-    # The JVP jaxpr for float tangents given, integer ones zero.
+    # The JVP jaxpr for inexact tangents given, integer ones zero.
     zeros = [not f for f in floats]
     jvp_jaxpr, jvp_consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
       *zeros
@@ -484,13 +531,16 @@ _STRUCTURAL: dict[str, Callable[..., Any]] = {
   "custom_jvp_call": _custom_jvp,
   "custom_vjp_call": _custom_vjp,
 }
+assert set(_STRUCTURAL) == STRUCTURAL
 
 
 # --- the public function --------------------------------------------------
 
 
 def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+  """A traced argument: jax and NumPy arrays (NumPy scalars, like Python
+  ones, reach `fn` as they are)."""
+  return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _is_graph_node(x: Any) -> bool:
@@ -529,12 +579,17 @@ def autocast(
   It goes through `jit`, `scan`, `while_loop`, `cond`, `checkpoint`,
   `shard_map` and `custom_jvp`/`custom_vjp` functions (their rules kept);
   loop carries keep the dtype they were traced with. `jax.grad` of the
-  result differentiates the autocast computation. Array arguments (jax and
-  NumPy arrays) are traced; anything else (Python numbers and flags, strings,
-  functions) reaches `fn` as it is. `flax.nnx` modules, `Rngs` and variables
-  may be arguments: their state is traced and written back after the call
-  (batch statistics, RNG counts), in the dtypes it had. Call the result
-  inside `jax.jit`: outside, each call traces `fn` and runs op by op.
+  result differentiates the autocast computation. An inner autocast (say
+  with a float32 policy) and a wrapped module's policy override run as they
+  trace: the innermost policy wins.
+
+  Array arguments (jax and NumPy arrays) are traced; anything else (Python
+  and NumPy scalars and flags, strings, functions) reaches `fn` as it is.
+  `flax.nnx` modules, `Rngs` and variables may be arguments, and `fn` may
+  be a module: their state is traced, and the variables `fn` changes (batch
+  statistics, RNG counts) are written back after the call, in the dtypes
+  they had. Call the result inside `jax.jit`: outside, each call traces `fn`
+  and runs op by op.
 
   Args:
     fn: any function of arrays (and NNX objects) returning arrays.
@@ -576,6 +631,13 @@ def autocast(
   if not isinstance(lists, AutocastLists):
     raise TypeError(f"autocast: lists must be an AutocastLists, got {lists!r}.")
   config = _Config(compute, lists)
+  if _is_graph_node(fn):
+    # An NNX module as the function: its state is traced like an argument's.
+    module = fn
+    call = autocast(lambda m, *a, **k: m(*a, **k), policy, lists=lists)
+    return functools.wraps(type(module).__call__)(
+      lambda *args, **kwargs: call(module, *args, **kwargs)
+    )
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
@@ -602,15 +664,31 @@ def autocast(
     pure_state = nnx.to_pure_dict(state) if nodes else state
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(pure_state, arrays)
     inputs = jax.tree.leaves((pure_state, arrays))
-    outs = _eval(closed.jaxpr, closed.consts, inputs, config)
+    # An autocast (or a wrapped module with an override) traced inside
+    # another autocast runs as its own policy made it: the innermost wins.
+    with jax.named_scope(OVERRIDE_SCOPE):
+      outs = _eval(closed.jaxpr, closed.consts, inputs, config)
     out, new_state = jax.tree.unflatten(jax.tree.structure(shapes), outs)
     if nodes:
-      # State goes back in the dtypes it had (a batch statistic stays float32).
-      new_state = jax.tree.map(
-        lambda x, s: _cast(x, s.dtype), new_state, shapes[1]
+      _write_back(
+        tuple(flat[i] for i in nodes), state, pure_state, new_state, shapes[1]
       )
-      nnx.replace_by_pure_dict(state, new_state)
-      nnx.update(tuple(flat[i] for i in nodes), state)
     return policy.cast_to_output(out)
 
   return wrapped
+
+
+def _write_back(nodes, state, before, after, traced) -> None:
+  """The NNX variables `fn` changed, written back in the dtypes they had (a
+  batch statistic stays float32); the others are left alone, so a module
+  of an outer trace that `fn` only reads is never written."""
+  from flax import nnx  # noqa: PLC0415
+
+  flat = nnx.traversals.flatten_mapping
+  old, new, shapes = flat(before), flat(after), flat(traced)
+  changed = {p for p, x in new.items() if p not in old or x is not old[p]}
+  if not changed:
+    return
+  new = {p: _cast(x, shapes[p].dtype) for p, x in new.items()}
+  nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(new))
+  nnx.update(nodes, state.filter(lambda path, _: tuple(path) in changed))

@@ -53,6 +53,24 @@ DEFAULT_FLOAT32 = frozenset(
     "cumsum",
     "cumprod",
     "cumlogsumexp",
+    # torch.autocast's float32 list has fft and linalg ops too: their
+    # kernels take float32 or wider (bfloat16 is refused on CPU)
+    "fft",
+    "complex",
+    "cholesky",
+    "eigh",
+    "eig",
+    "svd",
+    "qr",
+    "geqrf",
+    "geqp3",
+    "householder_product",
+    "lu",
+    "triangular_solve",
+    "schur",
+    "hessenberg",
+    "tridiagonal",
+    "tridiagonal_solve",
   }
 )
 
@@ -88,6 +106,25 @@ DEFAULT_AS_WRITTEN = frozenset(
 )
 
 _LIST_NAMES = ("compute", "float32", "passthrough", "as_written")
+
+# Primitives autocast evaluates structurally, their bodies by the lists. The
+# only list they may be on is as_written (the whole call as traced).
+STRUCTURAL = frozenset(
+  {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "checkpoint",
+    "remat2",
+    "scan",
+    "while",
+    "cond",
+    "shard_map",
+    "custom_jvp_call",
+    "custom_vjp_call",
+  }
+)
 
 
 def _known_primitives() -> frozenset[str]:
@@ -147,6 +184,12 @@ class AutocastLists:
           raise ValueError(
             f"AutocastLists: primitive {name!r} is on both the {seen[name]} "
             f"and the {field} list; put it on one."
+          )
+        if name in STRUCTURAL and field != "as_written":
+          raise ValueError(
+            f"AutocastLists.{field}: {name!r} is evaluated structurally (its "
+            "body follows the lists); it can only be put on as_written, to "
+            "run the whole call as traced."
           )
         seen[name] = field
       object.__setattr__(self, field, names)

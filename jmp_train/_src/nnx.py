@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import flax.nnx as nnx
+import jax
 from flax.nnx import graph as nnx_graph
 
 from jmp_train._src import fp8_nnx, fp8_recipe
@@ -228,7 +229,11 @@ def _run(self, base, args, kwargs):
   policies.append(policy)
   _CTX.modules.append(self)
   try:
-    out = base(*args, **kwargs)
+    if config.is_root:
+      out = base(*args, **kwargs)
+    else:  # an override: autocast runs what it traces here as written
+      with jax.named_scope(policy_lib.OVERRIDE_SCOPE):
+        out = base(*args, **kwargs)
   finally:
     policies.pop()
     _CTX.modules.pop()
