@@ -14,6 +14,9 @@ Rows, timed side by side in one process (rotated order, median per round):
   `preset.mixed_precision(optax.adamw)`, stepped by
   `jmp_train.train.make_train_step` on one device (FP8 metadata advances
   inside it).
+- autocast bf16-mixed (or `--autocast`): the model as written through
+  `jmp_train.autocast(model.apply, preset.policy)` (per-operation casts)
+  instead of `linen.wrap`, the same optimizer and step.
 
 Every step donates its state.
 
@@ -58,6 +61,12 @@ PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--presets", default="fp32,bf16-mixed,bf16-fp8-mixed")
+  p.add_argument(
+    "--autocast",
+    default="bf16-mixed",
+    help="presets also run as jmp_train.autocast of the model as written "
+    "(rows 'autocast <preset>'); '' for none",
+  )
   p.add_argument(
     "--no-plain",
     action="store_true",
@@ -126,6 +135,9 @@ def table(results: dict) -> str:
       if "bf16-fp8-mixed" in by_name:
         fp8 = by_name["bf16-fp8-mixed"]["ms"] / mixed["ms"]
         line += f"; bf16-fp8-mixed {md.ratio(fp8)} the bf16-mixed step"
+      if "autocast bf16-mixed" in by_name:
+        auto = by_name["autocast bf16-mixed"]["ms"] / mixed["ms"]
+        line += f"; autocast bf16-mixed {md.ratio(auto)} the bf16-mixed step"
       line += f" (batch {g['batch']})."
     out += ["", line]
   return "\n".join(out)
@@ -198,6 +210,21 @@ def main(argv=None):
       params=variables["params"], tx=tx, fp8=variables.get("fp8_meta")
     )
     steps[name] = (train.make_train_step(loss_fn, tx), state)
+
+  # autocast <preset>: the unwrapped model through jmp_train.autocast (per
+  # operation, Apex O1) instead of linen.wrap (per module), same optimizer.
+  for name in filter(None, args.autocast.split(",")):
+    preset = jmp_train.get_preset(name)
+    apply = jmp_train.autocast(base.apply, preset.policy)
+
+    def loss_fn(params, batch, model_state, key, apply=apply):
+      logits = apply({"params": params}, batch[:, :-1])
+      return loss_of(logits, batch[:, 1:])
+
+    tx = preset.mixed_precision(optax.adamw(1e-4))
+    params = preset.policy.cast_to_param(init_variables(base)["params"])
+    state = train.TrainState.create(params=params, tx=tx)
+    steps[f"autocast {name}"] = (train.make_train_step(loss_fn, tx), state)
 
   state = {}
   for name, (step, s) in steps.items():

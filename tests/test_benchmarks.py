@@ -304,7 +304,11 @@ def test_gpt2_benchmark_tiny_runs(capsys):
       *("--steps-per-round", "1", "--warmup", "1", "--no-plain"),
     ]
   )
-  assert [r["step"] for r in result["rows"]] == ["hand-bf16", "bf16-mixed"]
+  assert [r["step"] for r in result["rows"]] == [
+    "hand-bf16",
+    "bf16-mixed",
+    "autocast bf16-mixed",
+  ]
   for row in result["rows"]:
     assert row["tokens_per_s"] > 0 and row["mfu"] is None  # CPU: no peak
   assert "| bf16-mixed |" in capsys.readouterr().out
