@@ -66,6 +66,11 @@ GPU_JOBS = {
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
   "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",
+  # One process per preset: the device's peak is that preset's alone.
+  **{
+    f"gpt2-memory-{name}": f"gpt2_memory.py --preset {name}"
+    for name in ("fp32", "bf16-mixed", "bf16-true", "bf16-lean", "bf16-sr-lean")
+  },
   "overhead-gpu": "overhead.py --batch 16384 --steps 100",
   "overhead-gpu-update": "overhead.py --update-only --steps 100",
   "overhead-gpu-study": "overhead.py --study --batch 16384 --steps 100",
@@ -106,6 +111,7 @@ CPU_QUICK = {
 }
 GPU_QUICK = {
   "gpt2": "gpt2.py --tiny --rounds 1",
+  "gpt2-memory-bf16-mixed": "gpt2_memory.py --tiny --preset bf16-mixed",
   "fp8-matmul": "fp8.py --matmul --sizes 256",
   "overhead-gpu": "overhead.py --batch 256 --steps 3",
 }

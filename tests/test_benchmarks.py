@@ -17,6 +17,7 @@ import autocast as autocast_bench
 import compile_time
 import fp8
 import gpt2
+import gpt2_memory
 import gpt_compare
 import lean_state
 import overhead
@@ -409,3 +410,21 @@ def test_autocast_table_verdict_follows_the_gap():
     in met
   )
   assert "**not met**" in autocast_bench.table({"a": result(0.02)})
+
+
+def test_gpt2_memory_tiny_checks_the_table_against_xla():
+  result = gpt2_memory.main(["--tiny", "--batch", "2", "--steps", "1"])
+  pred, comp = result["predicted"], result["compiled"]
+  parts = ("params", "gradients", "master_weights", "optimizer_state")
+  assert pred["total"] == sum(pred[k] for k in (*parts, "other_state"))
+  # memory_table's written rule: the step's arguments are the state less
+  # its gradients, plus the batch (2 x 65 int32 tokens); XLA leaves out the
+  # few scalars this step never reads (bf16-mixed has no loss scale to grow).
+  rule = pred["total"] - pred["gradients"] + 2 * 65 * 4
+  assert 0 <= rule - comp["argument"] <= 16
+  # bf16-mixed: float32 params, no masters, Adam's two float32 moments.
+  assert pred["master_weights"] == 0 and pred["gradients"] == pred["params"]
+  # (plus scalars: Adam's count, the loss-scale state and its counters)
+  assert 0 <= pred["optimizer_state"] - 2 * pred["params"] <= 64
+  assert result["peak_bytes_in_use"] is None or result["peak_bytes_in_use"] > 0
+  assert "| bf16-mixed |" in gpt2_memory.table({"m": result})
