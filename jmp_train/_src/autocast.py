@@ -139,11 +139,16 @@ def autocast(
   """
   if not callable(fn):
     raise TypeError(f"autocast: fn must be callable, got {fn!r}.")
+  if _is_graph_node(fn):
+    # An NNX module as the function: its state is traced like an argument's.
+    module = fn
+    call = autocast(lambda m, *a, **k: m(*a, **k), policy, lists=lists)
+    return functools.wraps(type(module).__call__)(
+      lambda *args, **kwargs: call(module, *args, **kwargs)
+    )
   policy = policy_lib.get_policy(policy)
   compute = np.dtype(policy.compute_dtype)
-  if compute not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) and (
-    compute != np.dtype(jnp.float32)
-  ):
+  if compute not in map(np.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)):
     raise ValueError(
       f"autocast: policy compute dtype {compute.name} is not accepted; use "
       "bfloat16, float16 or float32 (FP8 runs through fp8 layers)."
@@ -152,13 +157,6 @@ def autocast(
   if not isinstance(lists, AutocastLists):
     raise TypeError(f"autocast: lists must be an AutocastLists, got {lists!r}.")
   config = Config(compute, lists)
-  if _is_graph_node(fn):
-    # An NNX module as the function: its state is traced like an argument's.
-    module = fn
-    call = autocast(lambda m, *a, **k: m(*a, **k), policy, lists=lists)
-    return functools.wraps(type(module).__call__)(
-      lambda *args, **kwargs: call(module, *args, **kwargs)
-    )
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):

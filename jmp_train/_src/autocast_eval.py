@@ -32,6 +32,7 @@ from jax import lax
 from jax._src import ad_util, source_info_util
 from jax.extend import core as jex_core
 
+from jmp_train._src import leaves
 from jmp_train._src import policy as policy_lib
 from jmp_train._src.autocast_lists import STRUCTURAL, AutocastLists
 
@@ -43,32 +44,15 @@ OVERRIDE_SCOPE = policy_lib.OVERRIDE_SCOPE
 # --- the dtype rules ------------------------------------------------------
 
 
-def _float_size(dtype: Any) -> int:
-  """The byte size of a real floating dtype; 0 for any other (integers,
-  booleans, complex, PRNG keys)."""
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    return 0
-  if not jnp.issubdtype(dtype, jnp.floating):
-    return 0
-  return np.dtype(dtype).itemsize
-
-
-def _castable(dtype: Any) -> bool:
-  """A float16/bfloat16/float32/float64 dtype: what autocast may cast."""
-  return _float_size(dtype) > 1
-
-
-def _is_fp8_dtype(dtype: Any) -> bool:
-  return _float_size(dtype) == 1
-
-
 def _dtype(x: Any) -> Any:
   return jax.typeof(x).dtype
 
 
 def cast(x: Any, dtype: Any) -> Any:
-  """`x` in `dtype` if it is a castable float of another dtype."""
-  if _castable(_dtype(x)) and _dtype(x) != np.dtype(dtype):
+  """`x` in `dtype` if it is a float16/bfloat16/float32/float64 value of
+  another dtype (`leaves.is_real_float`, the rule policies cast by:
+  integers, booleans, complex, FP8 and PRNG keys are never cast)."""
+  if leaves.is_real_float(jax.typeof(x)) and _dtype(x) != np.dtype(dtype):
     return lax.convert_element_type(x, dtype)
   return x
 
@@ -76,7 +60,7 @@ def cast(x: Any, dtype: Any) -> Any:
 def _as_written(values: list, avals: list) -> list:
   """`values` cast back to the dtypes `avals` were traced with."""
   return [
-    cast(v, a.dtype) if _castable(a.dtype) else v
+    cast(v, a.dtype) if leaves.is_real_float(a) else v
     for v, a in zip(values, avals, strict=True)
   ]
 
@@ -91,7 +75,9 @@ def _promoted(values: list, atoms: list) -> np.dtype | None:
   it instead.
   """
   floats = [
-    (v, a) for v, a in zip(values, atoms, strict=True) if _castable(_dtype(v))
+    (v, a)
+    for v, a in zip(values, atoms, strict=True)
+    if leaves.is_real_float(jax.typeof(v))
   ]
   if not floats:
     return None
@@ -133,9 +119,7 @@ def _contains_fp8(jaxpr: Any) -> bool:
     for sub in jex_core.jaxprs_in_params(eqn.params):
       if _contains_fp8(sub):
         return True
-  return any(
-    hasattr(v.aval, "dtype") and _is_fp8_dtype(v.aval.dtype) for v in variables
-  )
+  return any(leaves.is_float8(v.aval) for v in variables)
 
 
 # --- the interpreter ------------------------------------------------------
@@ -197,9 +181,7 @@ def _eval_eqn(eqn: Any, invals: list, config: Config) -> Any:
     return (
       as_written() if rule == "as_written" else structural(eqn, invals, config)
     )
-  if rule == "as_written" or any(
-    hasattr(a, "dtype") and _is_fp8_dtype(a.dtype) for a in avals
-  ):
+  if rule == "as_written" or any(leaves.is_float8(a) for a in avals):
     return as_written()
   if list(jex_core.jaxprs_in_params(eqn.params)):
     if rule != "promote":
@@ -216,7 +198,7 @@ def _eval_eqn(eqn: Any, invals: list, config: Config) -> Any:
       eqn,
       [
         cast(x, jnp.promote_types(_dtype(x), jnp.float32))
-        if _castable(_dtype(x))
+        if leaves.is_real_float(jax.typeof(x))
         else x
         for x in invals
       ],
@@ -262,9 +244,9 @@ def _compute(eqn: Any, invals: list, avals: list, config: Config) -> Any:
   # The two matmul operands: an integer one (a quantized matmul) or a
   # float64 one (torch leaves those too) keeps the op as it is. Further
   # operands (ragged_dot's group sizes) are never cast.
-  dtypes = [_dtype(x) for x in invals[:2]]
-  if not all(_castable(d) for d in dtypes) or any(
-    d == np.dtype(jnp.float64) for d in dtypes
+  operands = [jax.typeof(x) for x in invals[:2]]
+  if not all(leaves.is_real_float(a) for a in operands) or any(
+    a.dtype == np.dtype(jnp.float64) for a in operands
   ):
     return _bind(eqn, invals)
   params = dict(eqn.params)
@@ -368,7 +350,7 @@ def _cond(eqn, invals, config):
   shapes = [jax.eval_shape(b, *operands) for b in branches]
   dtypes = [
     functools.reduce(jnp.promote_types, [s.dtype for s in outs])
-    if _castable(outs[0].dtype)
+    if leaves.is_real_float(outs[0])
     else None
     for outs in zip(*shapes, strict=True)
   ]
