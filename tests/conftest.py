@@ -46,19 +46,25 @@ def _subjaxprs(eqn):
         yield p
 
 
-def primitive_operand_dtypes(fn, *args, primitive="dot_general"):
-  """Operand dtypes of every `primitive` in fn's jaxpr, nested jaxprs included."""
-  found = []
+def equations(fn, *args):
+  """Every equation of fn's jaxpr, nested jaxprs included, in program order."""
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name == primitive:
-        found.append(tuple(v.aval.dtype.name for v in eqn.invars))
+      yield eqn
       for sub in _subjaxprs(eqn):
-        walk(sub)
+        yield from walk(sub)
 
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+  return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def primitive_operand_dtypes(fn, *args, primitive="dot_general"):
+  """Operand dtypes of every `primitive` in fn's jaxpr, nested jaxprs included."""
+  return [
+    tuple(v.aval.dtype.name for v in eqn.invars)
+    for eqn in equations(fn, *args)
+    if eqn.primitive.name == primitive
+  ]
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import equations
 from conftest import primitive_operand_dtypes as dtypes_of
 from jax import lax
 
@@ -26,22 +27,18 @@ bf16, f32 = jnp.bfloat16, jnp.float32
 
 def _all_operands(fn, *args):
   """(primitive, float operand dtypes) of every equation, nested included."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      names = tuple(
+  return [
+    (
+      eqn.primitive.name,
+      tuple(
         v.aval.dtype.name
         for v in eqn.invars
         if hasattr(v.aval, "dtype")
         and jnp.issubdtype(v.aval.dtype, jnp.floating)
-      )
-      found.append((eqn.primitive.name, names))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(getattr(sub, "jaxpr", sub))
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+      ),
+    )
+    for eqn in equations(fn, *args)
+  ]
 
 
 def _check_lists(found, compute="bfloat16"):
