@@ -18,6 +18,11 @@ Rows, timed side by side in one process (rotated order, median per round):
   `jmp_train.autocast(model.apply, preset.policy)` (per-operation casts)
   instead of `linen.wrap`, the same optimizer and step.
 
+With `--torch` it runs instead the same model written in PyTorch with
+nanoGPT's recipe (`benchmarks/gpt2_torch.py`: torch.autocast, torch.compile,
+fused AdamW, GradScaler for fp16), rows `torch bf16` and `torch fp16`, in a
+process of its own; `torch_table` puts them beside bf16-mixed and fp16-mixed.
+
 Every step donates its state.
 
 The model is GPT-2 small: 12 layers, d_model 768, 12 heads, context 1024,
@@ -28,6 +33,7 @@ peak, with nanoGPT's count: 6 N + 12 L d T FLOPs per token, N the params
 without the position embedding.
 
   python benchmarks/gpt2.py                      # needs a GPU
+  python benchmarks/gpt2.py --torch              # the PyTorch side
   python benchmarks/gpt2.py --tiny               # any machine: a smoke run
 """
 
@@ -60,7 +66,9 @@ PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--presets", default="fp32,bf16-mixed,bf16-fp8-mixed")
+  p.add_argument(
+    "--presets", default="fp32,bf16-mixed,fp16-mixed,bf16-fp8-mixed"
+  )
   p.add_argument(
     "--autocast",
     default="bf16-mixed",
@@ -77,6 +85,15 @@ def parse_args(argv=None):
   p.add_argument("--steps-per-round", type=int, default=5)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
+  p.add_argument(
+    "--torch",
+    action="store_true",
+    help="time the PyTorch twin instead (benchmarks/gpt2_torch.py)",
+  )
+  p.add_argument("--torch-precisions", default="bf16,fp16")
+  p.add_argument(
+    "--no-compile", action="store_true", help="--torch without torch.compile"
+  )
   p.add_argument("--json", default=None)
   return p.parse_args(argv)
 
@@ -90,6 +107,7 @@ def peak_flops(kind: str) -> float | None:
 
 def table(results: dict) -> str:
   """Steps/s and MFU per step and batch, and the verdict for bf16-mixed."""
+  results = {k: r for k, r in results.items() if "framework" not in r}
   if not results:
     return md.not_measured("benchmarks/gpt2.py (it needs a GPU)")
   runs = sorted(results.values(), key=lambda g: g["batch"])
@@ -143,12 +161,129 @@ def table(results: dict) -> str:
   return "\n".join(out)
 
 
+def torch_table(results: dict) -> str:
+  """jmp_train's bf16-mixed and fp16-mixed tokens/s beside PyTorch's (the
+  `--torch` run at the same batch), and the verdict for each."""
+  theirs = [r for r in results.values() if "framework" in r]
+  if not theirs:
+    return md.not_measured("benchmarks/gpt2.py --torch (it needs a GPU)")
+  t = theirs[0]
+  ours = {r["batch"]: r for r in results.values() if "framework" not in r}.get(
+    t["batch"]
+  )
+  out = [
+    f"{t['model']}, batch {t['batch']}, on {t['device']}; PyTorch"
+    f" {t['framework'].removeprefix('torch ')}"
+    + (", torch.compile" if t["torch_compile"] else ", eager")
+    + "."
+  ]
+  if ours is None:
+    return "\n".join([*out, "", "No jmp_train run at this batch to compare."])
+  if ours.get("n_params") not in (None, t["n_params"]):
+    out.append(
+      f"**Not the same model**: {ours['n_params']:,} params in JAX,"
+      f" {t['n_params']:,} in PyTorch."
+    )
+  rows = []
+  by_name = {x["step"]: x for x in [*ours["rows"], *t["rows"]]}
+  for precision, preset in (("bf16", "bf16-mixed"), ("fp16", "fp16-mixed")):
+    a, b = by_name.get(preset), by_name.get(f"torch {precision}")
+    if a is None or b is None:
+      continue
+    ratio = a["tokens_per_s"] / b["tokens_per_s"]
+    rows.append(
+      [
+        precision,
+        f"{a['tokens_per_s']:,}",
+        f"{b['tokens_per_s']:,}",
+        md.ratio(ratio),
+        md.verdict(ratio >= 1.0),
+      ]
+    )
+  header = ["precision", "jmp_train tokens/s", "PyTorch tokens/s"]
+  out += ["", md.table([*header, "ratio", "goal >= 1.00x"], rows)]
+  return "\n".join(out)
+
+
+def config(tiny: bool) -> dict:
+  if tiny:
+    return dict(layers=2, d_model=64, heads=4, seq_len=64, vocab=128)
+  return dict(layers=12, d_model=768, heads=12, seq_len=1024, vocab=50304)
+
+
+def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
+  """gpt2.py's row per step from its median seconds per step; `n_flops` the
+  params that count (without the position embedding)."""
+  seq = cfg["seq_len"]
+  tokens_per_step = batch * seq
+  flops_per_token = 6 * n_flops + 12 * cfg["layers"] * cfg["d_model"] * seq
+  first = next(iter(seconds.values()))
+  rows = []
+  for name, sec in seconds.items():
+    achieved = flops_per_token * tokens_per_step / sec
+    rows.append(
+      {
+        "step": name,
+        "ms": round(sec * 1e3, 2),
+        "steps_per_s": round(1 / sec, 3),
+        "tokens_per_s": round(tokens_per_step / sec),
+        "tflops": round(achieved / 1e12, 2),
+        "mfu": round(achieved / peak, 4) if peak else None,
+        "ratio_vs_plain": round(sec / first, 4),
+      }
+    )
+  return rows
+
+
+def model_line(cfg: dict, n_params: int) -> str:
+  return (
+    f"GPT {cfg['layers']} layers, d_model {cfg['d_model']},"
+    f" {cfg['heads']} heads, context {cfg['seq_len']}, vocabulary"
+    f" {cfg['vocab']}, tied embeddings; {n_params / 1e6:.1f}M params"
+  )
+
+
+def main_torch(args, cfg: dict) -> dict:
+  """The PyTorch twin's rows (benchmarks/gpt2_torch.py), same fields."""
+  import gpt2_torch
+
+  out = gpt2_torch.run(
+    cfg,
+    args.batch,
+    args.torch_precisions.split(","),
+    args.rounds,
+    args.steps_per_round,
+    args.warmup,
+    compile=not args.no_compile,
+  )
+  peak = peak_flops(out["device_kind"])
+  return {
+    "framework": f"torch {out['torch']}",
+    "torch_compile": out["compiled"],
+    "model": model_line(cfg, out["n_params"]),
+    "n_params": out["n_params"],
+    "batch": args.batch,
+    "rounds": args.rounds,
+    "steps_per_round": args.steps_per_round,
+    "device": f"{out['device_kind']}, {platform.machine()}",
+    "peak_bf16_tflops": peak / 1e12 if peak else None,
+    "rows": timed_rows(
+      out["seconds"], cfg, args.batch, out["n_params_no_pos"], peak
+    ),
+    "warm_loss": out["warm_loss"],
+  }
+
+
 def main(argv=None):
   args = parse_args(argv)
-  if args.tiny:
-    cfg = dict(layers=2, d_model=64, heads=4, seq_len=64, vocab=128)
-  else:
-    cfg = dict(layers=12, d_model=768, heads=12, seq_len=1024, vocab=50304)
+  cfg = config(args.tiny)
+  if args.torch:
+    result = main_torch(args, cfg)
+    for x in result["rows"]:
+      print(f"{x['step']}: {x['ms']} ms/step, {x['tokens_per_s']:,} tokens/s")
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
   base = gpt_model.GPT(**cfg, tied=True, fused_attention=True)
   seq = cfg["seq_len"]
   rng = np.random.default_rng(0)
@@ -249,33 +384,16 @@ def main(argv=None):
 
   kind = jax.devices()[0].device_kind
   peak = peak_flops(kind)
-  tokens_per_step = args.batch * seq
-  flops_per_token = 6 * n_flops + 12 * cfg["layers"] * cfg["d_model"] * seq
-  rows = []
-  for name in names:
-    sec = statistics.median(times[name])
-    achieved = flops_per_token * tokens_per_step / sec
-    rows.append(
-      {
-        "step": name,
-        "ms": round(sec * 1e3, 2),
-        "steps_per_s": round(1 / sec, 3),
-        "tokens_per_s": round(tokens_per_step / sec),
-        "tflops": round(achieved / 1e12, 2),
-        "mfu": round(achieved / peak, 4) if peak else None,
-        "ratio_vs_plain": round(sec / statistics.median(times[names[0]]), 4),
-      }
-    )
+  seconds = {name: statistics.median(times[name]) for name in names}
   result = {
-    "model": f"GPT {cfg['layers']} layers, d_model {cfg['d_model']},"
-    f" {cfg['heads']} heads, context {seq}, vocabulary {cfg['vocab']}, tied"
-    f" embeddings; {n_params / 1e6:.1f}M params",
+    "model": model_line(cfg, n_params),
+    "n_params": n_params,
     "batch": args.batch,
     "rounds": args.rounds,
     "steps_per_round": args.steps_per_round,
     "device": f"{kind}, {platform.machine()}",
     "peak_bf16_tflops": peak / 1e12 if peak else None,
-    "rows": rows,
+    "rows": timed_rows(seconds, cfg, args.batch, n_flops, peak),
     "ratios_vs": names[0],
     "jax": jax.__version__,
   }

@@ -65,6 +65,7 @@ CPU_JOBS = {
 GPU_JOBS = {
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
+  "gpt2-torch": "gpt2.py --torch",
   "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",
   # One process per preset: the device's peak is that preset's alone.
   **{
@@ -111,6 +112,7 @@ CPU_QUICK = {
 }
 GPU_QUICK = {
   "gpt2": "gpt2.py --tiny --rounds 1",
+  "gpt2-torch": "gpt2.py --torch --tiny --rounds 1",
   "gpt2-memory-bf16-mixed": "gpt2_memory.py --tiny --preset bf16-mixed",
   "fp8-matmul": "fp8.py --matmul --sizes 256",
   "overhead-gpu": "overhead.py --batch 256 --steps 3",

@@ -315,6 +315,31 @@ def test_gpt2_benchmark_tiny_runs(capsys):
   assert "| bf16-mixed |" in capsys.readouterr().out
 
 
+def test_torch_side_by_side_verdicts_come_from_tokens_per_s():
+  def run(framework, rows, n_params=100):
+    result = dict(model="GPT", batch=16, device="H100", n_params=n_params)
+    result.update(peak_bf16_tflops=None)
+    result["rows"] = [
+      dict(step=name, ms=1.0, steps_per_s=1.0, tokens_per_s=tokens)
+      | dict(tflops=1.0, mfu=None, ratio_vs_plain=1.0)
+      for name, tokens in rows
+    ]
+    if framework:
+      result.update(framework="torch 2.11.0", torch_compile=True)
+    return result
+
+  ours = run(None, [("bf16-mixed", 1000), ("fp16-mixed", 990)])
+  theirs = run("torch", [("torch bf16", 1000), ("torch fp16", 1000)])
+  text = gpt2.torch_table({"gpt2": ours, "gpt2-torch": theirs})
+  assert "| bf16 | 1,000 | 1,000 | 1.000x | **met** |" in text
+  assert "| fp16 | 990 | 1,000 | 0.990x | **not met** |" in text
+  assert "Not the same model" not in text
+  # The page's table of jmp_train rows leaves the PyTorch run out.
+  assert "torch bf16" not in gpt2.table({"gpt2": ours, "gpt2-torch": theirs})
+  other = run("torch", [("torch bf16", 1000)], n_params=101)
+  assert "Not the same model" in gpt2.torch_table({"a": ours, "b": other})
+
+
 def test_gpt_compare_saves_the_runs_without_history(tmp_path, monkeypatch):
   # The example's own run is tested in test_gpt_example; here, what the
   # benchmark keeps of it and where the chart goes.
