@@ -84,6 +84,14 @@ def parse_args(argv=None):
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--steps-per-round", type=int, default=5)
   p.add_argument("--warmup", type=int, default=3)
+  p.add_argument(
+    "--loss",
+    choices=("logits", "fused"),
+    default="logits",
+    help="logits: the model's logits, then cross_entropy; fused: the model"
+    " computes the loss off the tied embedding (gpt_model.fused_cross_entropy)",
+  )
+  p.add_argument("--loss-chunk", type=int, default=4096)
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
   p.add_argument(
     "--torch",
@@ -105,17 +113,29 @@ def peak_flops(kind: str) -> float | None:
   return None
 
 
+def _ours(results: dict) -> list[dict]:
+  """jmp_train's runs (not the PyTorch twin's), by batch then loss."""
+  runs = [r for r in results.values() if "framework" not in r]
+  return sorted(runs, key=lambda r: (r["batch"], r.get("loss", "logits")))
+
+
+def _best(runs: list[dict], step: str):
+  """The run and row of `step` with the most tokens/s."""
+  found = [(r, x) for r in runs for x in r["rows"] if x["step"] == step]
+  return max(found, key=lambda rx: rx[1]["tokens_per_s"], default=(None, None))
+
+
 def table(results: dict) -> str:
-  """Steps/s and MFU per step and batch, and the verdict for bf16-mixed."""
-  results = {k: r for k, r in results.items() if "framework" not in r}
-  if not results:
+  """Steps/s and MFU per step, batch and loss, and the verdict for the
+  fastest bf16-mixed run."""
+  runs = _ours(results)
+  if not runs:
     return md.not_measured("benchmarks/gpt2.py (it needs a GPU)")
-  runs = sorted(results.values(), key=lambda g: g["batch"])
-  g = runs[0]
   rows = [
     [
       x["step"],
       r["batch"],
+      r.get("loss", "logits"),
       f"{x['ms']:.1f}",
       f"{x['steps_per_s']:.2f}",
       f"{x['tokens_per_s']:,}",
@@ -126,7 +146,8 @@ def table(results: dict) -> str:
     for r in runs
     for x in r["rows"]
   ]
-  header = ["step", "batch", "ms/step", "steps/s", "tokens/s", "TFLOP/s"]
+  header = ["step", "batch", "loss", "ms/step", "steps/s", "tokens/s"]
+  g = runs[0]
   peak = g["peak_bf16_tflops"]
   out = [
     f"{g['model']}, on {g['device']}; "
@@ -136,11 +157,11 @@ def table(results: dict) -> str:
       else "no bf16 peak known for this device, so no MFU."
     ),
     "",
-    md.table([*header, "MFU", "vs the batch's first row"], rows),
+    md.table([*header, "TFLOP/s", "MFU", "vs the run's first row"], rows),
   ]
-  by_name = {x["step"]: x for x in g["rows"]}
-  mixed = by_name.get("bf16-mixed")
+  g, mixed = _best(runs, "bf16-mixed")
   if mixed and mixed["mfu"] is not None:
+    by_name = {x["step"]: x for x in g["rows"]}
     line = (
       f"Goal (bf16-mixed >= 45% MFU): {100 * mixed['mfu']:.1f}%,"
       f" {md.verdict(mixed['mfu'] >= 0.45)}."
@@ -156,52 +177,54 @@ def table(results: dict) -> str:
       if "autocast bf16-mixed" in by_name:
         auto = by_name["autocast bf16-mixed"]["ms"] / mixed["ms"]
         line += f"; autocast bf16-mixed {md.ratio(auto)} the bf16-mixed step"
-      line += f" (batch {g['batch']})."
+      line += f" (batch {g['batch']}, loss {g.get('loss', 'logits')})."
     out += ["", line]
   return "\n".join(out)
 
 
 def torch_table(results: dict) -> str:
-  """jmp_train's bf16-mixed and fp16-mixed tokens/s beside PyTorch's (the
-  `--torch` run at the same batch), and the verdict for each."""
+  """jmp_train's bf16-mixed and fp16-mixed tokens/s (its fastest run at the
+  batch of the `--torch` run) beside PyTorch's, and the verdict for each."""
   theirs = [r for r in results.values() if "framework" in r]
   if not theirs:
     return md.not_measured("benchmarks/gpt2.py --torch (it needs a GPU)")
   t = theirs[0]
-  ours = {r["batch"]: r for r in results.values() if "framework" not in r}.get(
-    t["batch"]
-  )
+  ours = [r for r in _ours(results) if r["batch"] == t["batch"]]
   out = [
     f"{t['model']}, batch {t['batch']}, on {t['device']}; PyTorch"
     f" {t['framework'].removeprefix('torch ')}"
     + (", torch.compile" if t["torch_compile"] else ", eager")
     + "."
   ]
-  if ours is None:
+  if not ours:
     return "\n".join([*out, "", "No jmp_train run at this batch to compare."])
-  if ours.get("n_params") not in (None, t["n_params"]):
+  counts = {r["n_params"] for r in ours if "n_params" in r}
+  if counts - {t["n_params"]}:
     out.append(
-      f"**Not the same model**: {ours['n_params']:,} params in JAX,"
-      f" {t['n_params']:,} in PyTorch."
+      f"**Not the same model**: {', '.join(f'{n:,}' for n in sorted(counts))}"
+      f" params in JAX, {t['n_params']:,} in PyTorch."
     )
+  theirs_by_name = {x["step"]: x for x in t["rows"]}
   rows = []
-  by_name = {x["step"]: x for x in [*ours["rows"], *t["rows"]]}
   for precision, preset in (("bf16", "bf16-mixed"), ("fp16", "fp16-mixed")):
-    a, b = by_name.get(preset), by_name.get(f"torch {precision}")
+    r, a = _best(ours, preset)
+    b = theirs_by_name.get(f"torch {precision}")
     if a is None or b is None:
       continue
     ratio = a["tokens_per_s"] / b["tokens_per_s"]
     rows.append(
       [
         precision,
+        f"{preset}, loss {r.get('loss', 'logits')}",
         f"{a['tokens_per_s']:,}",
         f"{b['tokens_per_s']:,}",
         md.ratio(ratio),
         md.verdict(ratio >= 1.0),
       ]
     )
-  header = ["precision", "jmp_train tokens/s", "PyTorch tokens/s"]
-  out += ["", md.table([*header, "ratio", "goal >= 1.00x"], rows)]
+  header = ["precision", "jmp_train run", "jmp_train tokens/s"]
+  header += ["PyTorch tokens/s", "ratio", "goal >= 1.00x"]
+  out += ["", md.table(header, rows)]
   return "\n".join(out)
 
 
@@ -233,6 +256,12 @@ def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
       }
     )
   return rows
+
+
+def loss_label(args) -> str:
+  if args.loss == "fused":
+    return f"fused, chunks of {args.loss_chunk} rows"
+  return "logits"
 
 
 def model_line(cfg: dict, n_params: int) -> str:
@@ -290,7 +319,14 @@ def main(argv=None):
   tokens = jnp.asarray(
     rng.integers(0, cfg["vocab"], (args.batch, seq + 1)), jnp.int32
   )
-  loss_of = gpt_model.cross_entropy
+
+  def loss_of(apply, variables, batch):
+    """The mean next-token loss of `batch` through `apply` (a model's)."""
+    if args.loss == "fused":  # the loss off the tied embedding, chunked
+      return apply(variables, batch[:, :-1], batch[:, 1:], args.loss_chunk)
+    logits = apply(variables, batch[:, :-1])
+    return gpt_model.cross_entropy(logits, batch[:, 1:])
+
   init_variables = jax.jit(
     lambda m: m.init(jax.random.key(0), tokens[:1, :-1]), static_argnums=0
   )
@@ -306,8 +342,7 @@ def main(argv=None):
       params, opt_state = state
 
       def loss_fn(p):
-        logits = base.apply({"params": cast(p)}, batch[:, :-1])
-        return loss_of(logits, batch[:, 1:])
+        return loss_of(base.apply, {"params": cast(p)}, batch)
 
       loss, grads = jax.value_and_grad(loss_fn)(params)
       updates, opt_state = adamw.update(grads, opt_state, params)
@@ -336,8 +371,8 @@ def main(argv=None):
     model = jmp_train.linen.wrap(base, preset.policy, fp8=preset.fp8)
 
     def loss_fn(params, batch, model_state, key, model=model):
-      logits = model.apply({"params": params, **model_state}, batch[:, :-1])
-      return loss_of(logits, batch[:, 1:])
+      variables = {"params": params, **model_state}
+      return loss_of(model.apply, variables, batch)
 
     tx = preset.mixed_precision(optax.adamw(1e-4))
     variables = init_variables(model)
@@ -353,8 +388,7 @@ def main(argv=None):
     apply = jmp_train.autocast(base.apply, preset.policy)
 
     def loss_fn(params, batch, model_state, key, apply=apply):
-      logits = apply({"params": params}, batch[:, :-1])
-      return loss_of(logits, batch[:, 1:])
+      return loss_of(apply, {"params": params}, batch)
 
     tx = preset.mixed_precision(optax.adamw(1e-4))
     params = preset.policy.cast_to_param(init_variables(base)["params"])
@@ -394,6 +428,7 @@ def main(argv=None):
     "device": f"{kind}, {platform.machine()}",
     "peak_bf16_tflops": peak / 1e12 if peak else None,
     "rows": timed_rows(seconds, cfg, args.batch, n_flops, peak),
+    "loss": loss_label(args),
     "ratios_vs": names[0],
     "jax": jax.__version__,
   }

@@ -60,12 +60,16 @@ CPU_JOBS = {
   "lean-memory": "lean_state.py memory",
   "lean-gpt": "lean_state.py gpt --steps 400 --chart docs/lean-state.png",
   "lean-digits": "lean_state.py digits --epochs 30",
+  "loss-head": "loss_head.py",
   "lean-speed": "lean_state.py speed",  # last: timings want a quiet machine
 }
 GPU_JOBS = {
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
+  "gpt2-fused": "gpt2.py --loss fused --no-plain --autocast ''"
+  " --presets bf16-mixed,fp16-mixed",
   "gpt2-torch": "gpt2.py --torch",
+  "loss-head-gpu": "loss_head.py",
   "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",
   # One process per preset: the device's peak is that preset's alone.
   **{
@@ -107,12 +111,16 @@ CPU_QUICK = {
   " --layers 1 --d-model 32 --seq-len 16 --eval-every 3 --text-bytes 100000",
   "lean-digits": "lean_state.py digits --presets bf16-true,bf16-sr-coat"
   " --epochs 1 --max-steps 3",
+  "loss-head": "loss_head.py --batch 2 --seq 128 --d-model 64 --vocab 4096"
+  " --chunks 16,64",
   "lean-speed": "lean_state.py speed --presets bf16-true,bf16-lean,bf16-sr-coat"
   " --layers 1 --d-model 32 --heads 4 --vocab 64 --seq 8 --calls 3 --rounds 2",
 }
 GPU_QUICK = {
   "gpt2": "gpt2.py --tiny --rounds 1",
   "gpt2-torch": "gpt2.py --torch --tiny --rounds 1",
+  "loss-head-gpu": "loss_head.py --batch 2 --seq 128 --d-model 64"
+  " --vocab 4096 --chunks 16,64 --rounds 2",
   "gpt2-memory-bf16-mixed": "gpt2_memory.py --tiny --preset bf16-mixed",
   "fp8-matmul": "fp8.py --matmul --sizes 256",
   "overhead-gpu": "overhead.py --batch 256 --steps 3",

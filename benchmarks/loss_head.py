@@ -1,0 +1,139 @@
+"""GPT-2 small's output layer and loss: whole logits against the fused loss.
+
+The forward and backward pass (`jax.value_and_grad`, jitted) of the last
+step of GPT-2 small's loss: bfloat16 hidden states (batch x 1024 rows, d_model
+768) times the tied bfloat16 embedding (50304 x 768), the mean cross-entropy
+in float32. Two ways:
+
+- logits: `gpt_model.cross_entropy(x @ table.T, targets)`, what the model
+  without targets and `gpt2.py --loss logits` do: the (rows, vocab) logits in
+  bfloat16, their float32 copy and gradient;
+- fused (chunk c): `gpt_model.fused_cross_entropy(x, table, targets, c)`,
+  what `gpt2.py --loss fused` does: c rows of float32 logits at a time,
+  computed again in the backward pass.
+
+For each: the temporaries XLA allocates for the compiled function
+(`memory_analysis().temp_size_in_bytes`, read without running it), and on a
+GPU the loss it computes and the median time of alternating rounds (on CPU,
+bfloat16 matmuls are emulated and 3.8 TFLOP per call take minutes: not run).
+
+  python benchmarks/loss_head.py                    # any machine
+  python benchmarks/loss_head.py --batch 2 --vocab 1024 --chunks 256  # tiny
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(
+  0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+)
+
+import gpt_model
+import jax
+import jax.numpy as jnp
+import md
+import numpy as np
+
+GIB = 2**30
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--seq", type=int, default=1024)
+  p.add_argument("--d-model", type=int, default=768)
+  p.add_argument("--vocab", type=int, default=50304)
+  p.add_argument("--chunks", default="1024,2048,4096,8192")
+  p.add_argument("--rounds", type=int, default=10)
+  p.add_argument("--json", default=None)
+  args = p.parse_args(argv)
+  rows = args.batch * args.seq
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(rows, args.d_model)), jnp.bfloat16)
+  table_ = jnp.asarray(
+    0.02 * rng.normal(size=(args.vocab, args.d_model)), jnp.bfloat16
+  )
+  targets = jnp.asarray(rng.integers(0, args.vocab, rows), jnp.int32)
+
+  def logits_loss(x, table, targets):
+    return gpt_model.cross_entropy(jnp.dot(x, table.T), targets)
+
+  variants = {"logits": logits_loss}
+  for c in map(int, args.chunks.split(",")):
+    variants[f"fused (chunk {c})"] = lambda x, t, y, c=c: (
+      gpt_model.fused_cross_entropy(x, t, y, c)
+    )
+  on_gpu = jax.devices()[0].platform == "gpu"
+  compiled, out = {}, []
+  for name, fn in variants.items():
+    compiled[name] = (
+      jax.jit(jax.value_and_grad(fn, (0, 1)))
+      .lower(x, table_, targets)
+      .compile()
+    )
+    temp = compiled[name].memory_analysis().temp_size_in_bytes
+    out.append({"variant": name, "temp_bytes": int(temp)})
+  if on_gpu:  # the loss, then alternating rounds, the median per variant
+    for row in out:
+      row["loss"] = float(compiled[row["variant"]](x, table_, targets)[0])
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+      for name, fn in compiled.items():
+        jax.block_until_ready(fn(x, table_, targets))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, table_, targets))
+        times[name].append(time.perf_counter() - t0)
+    for row in out:
+      row["ms"] = round(1e3 * statistics.median(times[row["variant"]]), 3)
+  result = {
+    "shape": f"{rows} rows (batch {args.batch} x {args.seq}), d_model"
+    f" {args.d_model}, vocabulary {args.vocab}",
+    "device": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "rows": out,
+  }
+  print(table({"loss-head": result}))
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+  return result
+
+
+def table(results: dict) -> str:
+  """Per run: each variant's XLA temporaries beside the whole-logits
+  loss's (and on a GPU its time and the loss it computed)."""
+  if not results:
+    return md.not_measured("benchmarks/loss_head.py")
+  out = []
+  for r in results.values():
+    base = r["rows"][0]
+    timed = "ms" in base
+    rows = [
+      [
+        x["variant"],
+        f"{x['temp_bytes'] / GIB:.3f}",
+        md.ratio(x["temp_bytes"] / base["temp_bytes"]),
+        *(
+          [f"{x['ms']:.2f}", md.ratio(x["ms"] / base["ms"]), f"{x['loss']:.5f}"]
+          if timed
+          else []
+        ),
+      ]
+      for x in r["rows"]
+    ]
+    header = ["loss", "temp GiB (XLA)", "vs logits"]
+    header += ["ms (fwd+bwd)", "vs logits", "loss value"] if timed else []
+    out += [
+      f"{r['shape']}; on {r['device']} (jax {r['jax']}).",
+      "",
+      md.table(header, rows),
+      "",
+    ]
+  return "\n".join(out).rstrip()
+
+
+if __name__ == "__main__":
+  main()

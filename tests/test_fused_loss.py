@@ -1,0 +1,132 @@
+"""The GPT example's fused loss (examples/gpt_model.fused_cross_entropy):
+the cross-entropy of the tied-embedding logits, a chunk of rows at a time."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_train
+
+sys.path.insert(
+  0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+)
+
+import gpt2  # noqa: E402
+import gpt_model  # noqa: E402
+
+
+def reference(x, table, targets):
+  """Loss and gradients in float64 NumPy, written out."""
+  logits = x @ table.T
+  shifted = logits - logits.max(-1, keepdims=True)
+  probs = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
+  rows = np.arange(len(targets))
+  loss = -np.mean(np.log(probs[rows, targets]))
+  d_logits = probs.copy()
+  d_logits[rows, targets] -= 1
+  d_logits /= len(targets)
+  return loss, d_logits @ table, d_logits.T @ x
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 13, 37, 4096])
+def test_fused_loss_and_gradients_equal_float64_numpy(chunk):
+  rng = np.random.default_rng(chunk)
+  x = rng.normal(size=(37, 16))  # 37 rows: chunks of 8 and 13 pad the last
+  table = rng.normal(size=(50, 16))
+  targets = rng.integers(0, 50, 37)
+  want = reference(x, table, targets)
+  loss_fn = jax.jit(
+    jax.value_and_grad(gpt_model.fused_cross_entropy, (0, 1)),
+    static_argnums=3,
+  )
+  loss, (dx, d_table) = loss_fn(
+    jnp.asarray(x, jnp.float32),
+    jnp.asarray(table, jnp.float32),
+    jnp.asarray(targets),
+    chunk,
+  )
+  np.testing.assert_allclose(loss, want[0], rtol=1e-6)
+  np.testing.assert_allclose(dx, want[1], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(d_table, want[2], rtol=1e-5, atol=1e-7)
+
+
+def test_the_model_with_targets_gives_the_loss_of_its_logits():
+  """float32: the same loss and gradients as cross_entropy of the logits;
+  under bf16-mixed, close to it (the fused logits are not rounded to
+  bfloat16), with the gradients in the params' dtype."""
+  base = gpt_model.GPT(layers=2, d_model=32, heads=4, seq_len=16, tied=True)
+  tokens = jnp.asarray(
+    np.random.default_rng(0).integers(0, gpt_model.VOCAB, (4, 17))
+  )
+  params = base.init(jax.random.key(0), tokens[:, :-1])["params"]
+
+  def losses(model):
+    def logits_loss(p):
+      logits = model.apply({"params": p}, tokens[:, :-1])
+      return gpt_model.cross_entropy(logits, tokens[:, 1:])
+
+    def fused_loss(p):  # chunks of 24 rows: the 64 rows pad the last
+      return model.apply({"params": p}, tokens[:, :-1], tokens[:, 1:], 24)
+
+    return [
+      jax.jit(jax.value_and_grad(f))(params) for f in (logits_loss, fused_loss)
+    ]
+
+  (want, want_grads), (got, got_grads) = losses(base)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+    got_grads,
+    want_grads,
+  )
+  policy = jmp_train.get_policy(
+    "params=float32,compute=bfloat16,output=float32"
+  )
+  (want, want_grads), (got, got_grads) = losses(
+    jmp_train.linen.wrap(base, policy)
+  )
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+
+  def relative(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+  for a, b in zip(
+    jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True
+  ):
+    assert a.dtype == jnp.float32
+    assert relative(np.asarray(a), np.asarray(b)) < 0.05
+
+
+def test_the_fused_loss_refuses_what_it_cannot_do():
+  x = jnp.ones((4, 8))
+  with pytest.raises(ValueError, match="chunk must be a positive int, got 0"):
+    gpt_model.fused_cross_entropy(x, jnp.ones((5, 8)), jnp.zeros(4, int), 0)
+  untied = gpt_model.GPT(layers=1, d_model=8, heads=2, seq_len=4)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  params = untied.init(jax.random.key(0), tokens)
+  with pytest.raises(ValueError, match="tied=False"):
+    untied.apply(params, tokens, tokens)
+
+
+def test_gpt2_benchmark_runs_with_the_fused_loss():
+  result = gpt2.main(
+    [
+      *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
+      *("--steps-per-round", "1", "--warmup", "1", "--no-plain"),
+      *("--loss", "fused", "--loss-chunk", "48"),
+    ]
+  )
+  assert result["loss"] == "fused, chunks of 48 rows"
+  assert [r["step"] for r in result["rows"]] == [
+    "hand-bf16",
+    "bf16-mixed",
+    "autocast bf16-mixed",
+  ]
+  assert "| bf16-mixed | 2 | fused, chunks of 48 rows |" in gpt2.table(
+    {"gpt2-fused": result}
+  )
