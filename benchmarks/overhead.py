@@ -29,7 +29,9 @@ all_finite (select-skip, jmp's way, without loss scaling).
 
 import argparse
 import json
+import pathlib
 import platform
+import re
 import statistics
 import time
 
@@ -54,6 +56,11 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--bf16-params", action="store_true", help="masters: hand vs ours"
+  )
+  p.add_argument(
+    "--kernels",
+    action="store_true",
+    help="count each compiled step's kernels instead of timing it",
   )
   p.add_argument("--json", default=None, help="also write results here")
   return p.parse_args(argv)
@@ -394,6 +401,110 @@ def gpu_table(results: dict) -> str:
   )
 
 
+# Instructions that launch no kernel of their own.
+_NO_KERNEL = {
+  "parameter",
+  "get-tuple-element",
+  "tuple",
+  "constant",
+  "bitcast",
+  "after-all",
+  "opt-barrier",
+  "partition-id",
+  "replica-id",
+}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_CALLED = re.compile(
+  r"(?:true_computation|false_computation|body|condition)=%?([\w.\-]+)"
+  r"|branch_computations=\{([^}]*)\}"
+)
+
+
+def count_kernels(hlo_text: str) -> dict[str, int]:
+  """The kernels a compiled module runs per call, by opcode: every
+  instruction of the entry computation but the bookkeeping ones (a fusion
+  is one kernel), and of a conditional its largest branch (the step that
+  updates), of a while loop its condition and body once."""
+  comps, name = {}, None
+  for line in hlo_text.splitlines():
+    head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head:
+      name = "ENTRY" if head[1] else head[2]
+      comps[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      comps[name].append(line)
+
+  def count(comp: str) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for line in comps.get(comp, []):
+      m = _INSTR.match(line)
+      if not m or m[1] in _NO_KERNEL:
+        continue
+      op = m[1]
+      if op in ("conditional", "while"):
+        called = []
+        for a, b in _CALLED.findall(line):
+          called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]
+        parts = [count(c) for c in called]
+        if op == "conditional":
+          parts = [max(parts, key=lambda d: sum(d.values()))] if parts else []
+        for part in parts:
+          for k, v in part.items():
+            total[k] = total.get(k, 0) + v
+        continue
+      total[op] = total.get(op, 0) + 1
+    return total
+
+  return count("ENTRY")
+
+
+def kernels_main(args, steps, params_of, x, y) -> dict:
+  """Each step's kernel count (`count_kernels` of its compiled HLO)."""
+  kernels = {}
+  for name, (init, step) in steps.items():
+    params = params_of()
+    hlo = step.lower(params, init(params), x, y).compile().as_text()
+    by_op = count_kernels(hlo)
+    kernels[name] = {"total": sum(by_op.values()), "by_op": by_op}
+    print(f"{name}: {kernels[name]['total']} kernels {by_op}")
+  return {
+    "what": "kernels per "
+    + ("optimizer update" if args.update_only else "train step"),
+    "param_dtype": jnp.dtype(params_of().__getitem__(0)["w"].dtype).name,
+    "leaves": len(jax.tree.leaves(params_of())),
+    "kernels": kernels,
+    "device": f"{jax.devices()[0].device_kind}, {platform.machine()}",
+    "jax": jax.__version__,
+  }
+
+
+def kernels_table(results: dict) -> str:
+  """Kernels per compiled step and machine, against plain optax's."""
+  runs = [r for r in results.values() if "kernels" in r]
+  if not runs:
+    return md.not_measured("benchmarks/overhead.py --kernels")
+  rows = []
+  for r in runs:
+    k = r["kernels"]
+    base = k.get("plain", k.get("hand-masters"))["total"]
+    for name, v in k.items():
+      top = sorted(v["by_op"].items(), key=lambda kv: -kv[1])[:4]
+      rows.append(
+        [
+          r["device"],
+          r["what"],
+          name,
+          v["total"],
+          f"{v['total'] - base:+d}",
+          ", ".join(f"{op} {n}" for op, n in top),
+        ]
+      )
+  header = ["machine", "what", "step", "kernels", "vs plain", "most launched"]
+  return md.table(header, rows)
+
+
 def main(argv=None):
   args = parse_args(argv)
   dims = [int(d) for d in args.dims.split(",")]
@@ -408,6 +519,18 @@ def main(argv=None):
   else:
     steps, base = make_steps(args.update_only, args.study), "plain"
   dtype = jnp.bfloat16 if args.bf16_params else jnp.float32
+  if args.kernels:
+    result = kernels_main(
+      args,
+      steps,
+      lambda: jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key)),
+      x,
+      y,
+    )
+    print(kernels_table({"k": result}))
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
   state = {}
   for name, (init, step) in steps.items():
     params = jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key))

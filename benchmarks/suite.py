@@ -49,6 +49,8 @@ CPU_JOBS = {
   "overhead-study": "overhead.py --study --batch 256 --steps 40",
   "overhead-masters": "overhead.py --bf16-params --batch 256 --steps 40",
   "overhead-masters-update": "overhead.py --bf16-params --update-only --steps 40",
+  "overhead-kernels": "overhead.py --kernels",
+  "overhead-kernels-update": "overhead.py --kernels --update-only",
   "zero1": "zero1.py",
   "compile": "compile_time.py",
   "fp8": "fp8.py --accuracy",
@@ -77,6 +79,8 @@ GPU_JOBS = {
     for name in ("fp32", "bf16-mixed", "bf16-true", "bf16-lean", "bf16-sr-lean")
   },
   "overhead-gpu": "overhead.py --batch 16384 --steps 100",
+  "overhead-gpu-kernels": "overhead.py --kernels --batch 16384",
+  "overhead-gpu-kernels-update": "overhead.py --kernels --update-only",
   "overhead-gpu-update": "overhead.py --update-only --steps 100",
   "overhead-gpu-study": "overhead.py --study --batch 16384 --steps 100",
   "overhead-gpu-masters": "overhead.py --bf16-params --batch 16384 --steps 100",
@@ -91,6 +95,7 @@ CPU_QUICK = {
   "overhead-update": f"overhead.py {MLP} --update-only",
   "overhead-study": f"overhead.py {MLP} --study",
   "overhead-masters-update": f"overhead.py {MLP} --bf16-params --update-only",
+  "overhead-kernels": f"overhead.py {MLP} --kernels",
   "zero1": "zero1.py --layers 1 --d-model 32 --vocab 64 --seq 8 --batch 8"
   " --rounds 2",
   "compile": "compile_time.py --layers 1 --d-model 32 --seq 16 --rounds 1",

@@ -370,6 +370,58 @@ def test_loss_head_reads_xla_temporaries_of_both_losses():
   assert "| fused (chunk 16) |" in loss_head.table({"loss-head": result})
 
 
+def test_count_kernels_reads_entry_branches_and_loops():
+  # Written HLO: 2 kernels in the entry, a conditional whose larger branch
+  # has 3 and a while loop with 1 in its condition and 2 in its body.
+  hlo = """
+%small (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  ROOT %n = f32[] negate(%p)
+}
+
+%big (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  %a = f32[] fusion(%p), kind=kLoop, calls=%f
+  %b = f32[] copy(%a)
+  ROOT %c = f32[] fusion(%b), kind=kLoop, calls=%f
+}
+
+%cond (p: f32[]) -> pred[] {
+  %p = f32[] parameter(0)
+  ROOT %lt = pred[] compare(%p, %p), direction=LT
+}
+
+%body (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  %e = f32[] exponential(%p)
+  ROOT %f = f32[] fusion(%e), kind=kLoop, calls=%f
+}
+
+ENTRY %main (x: f32[], i: s32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %i = s32[] parameter(1)
+  %k = f32[] constant(1)
+  %s = f32[] add(%x, %k)
+  %r = f32[] conditional(%i, %s, %s), branch_computations={%small, %big}
+  %w = f32[] while(%r), condition=%cond, body=%body
+  %t = (f32[]) tuple(%w)
+  ROOT %g = f32[] get-tuple-element(%t), index=0
+}
+"""
+  assert overhead.count_kernels(hlo) == {
+    "add": 1,  # the entry's; its constant, tuple and parameters launch none
+    "fusion": 3,  # two in the larger branch, one in the loop body
+    "copy": 1,
+    "compare": 1,
+    "exponential": 1,
+  }
+  # A real compiled step: ours launches more kernels than plain adam.
+  result = overhead.main(["--dims", "16,32,4", "--kernels", "--update-only"])
+  kernels = {k: v["total"] for k, v in result["kernels"].items()}
+  assert kernels["ours"] > kernels["plain"] > 0
+  assert "| ours |" in overhead.kernels_table({"k": result})
+
+
 def test_gpt_compare_saves_the_runs_without_history(tmp_path, monkeypatch):
   # The example's own run is tested in test_gpt_example; here, what the
   # benchmark keeps of it and where the chart goes.
