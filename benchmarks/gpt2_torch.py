@@ -68,7 +68,9 @@ class GPT(nn.Module):
     self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
     self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
     self.ln_f = nn.LayerNorm(d_model, eps=EPS)
-    for name, p in self.named_parameters():  # nanoGPT's and Flax's scale
+    # nanoGPT's init (Flax's differs: lecun_normal kernels, 1/sqrt(d)
+    # embeddings); it changes only the first steps' losses, not the timing.
+    for name, p in self.named_parameters():
       if p.dim() > 1:
         nn.init.normal_(p, std=0.02)
       elif name.endswith("bias"):
@@ -150,6 +152,11 @@ def run(cfg, batch, precisions, rounds, steps_per_round, warmup, compile):
   """Times each precision's step side by side: the median seconds per step
   of each, the loss after warm-up, and the model's parameter counts."""
   device = "cuda" if torch.cuda.is_available() else "cpu"
+  if device == "cpu" and cfg["layers"] > 2:
+    raise SystemExit(
+      f"gpt2.py --torch: torch {torch.__version__} sees no CUDA device; a"
+      " full-size run on CPU would be timed beside GPU rows (use --tiny)"
+    )
   sync = torch.cuda.synchronize if device == "cuda" else lambda: None
   torch.manual_seed(0)
   gen = torch.Generator().manual_seed(0)

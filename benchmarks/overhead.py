@@ -409,22 +409,28 @@ _NO_KERNEL = {
   "constant",
   "bitcast",
   "after-all",
+  "async-done",
+  "async-update",
   "opt-barrier",
   "partition-id",
   "replica-id",
 }
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(")
 _CALLED = re.compile(
-  r"(?:true_computation|false_computation|body|condition)=%?([\w.\-]+)"
-  r"|branch_computations=\{([^}]*)\}"
+  r"(?:true_computation|false_computation|body|condition|to_apply|calls)"
+  r"=%?([\w.\-]+)|branch_computations=\{([^}]*)\}"
 )
+# Instructions whose called computations hold the kernels (XLA:GPU puts runs
+# of kernels in command buffers, `call(...), to_apply=%command_buffer`).
+_HOLDERS = ("conditional", "while", "call", "async-start")
 
 
 def count_kernels(hlo_text: str) -> dict[str, int]:
   """The kernels a compiled module runs per call, by opcode: every
   instruction of the entry computation but the bookkeeping ones (a fusion
   is one kernel), and of a conditional its largest branch (the step that
-  updates), of a while loop its condition and body once."""
+  updates), of a while loop its condition and body once, of a call or an
+  async start what it calls."""
   comps, name = {}, None
   for line in hlo_text.splitlines():
     head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
@@ -443,7 +449,7 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
       if not m or m[1] in _NO_KERNEL:
         continue
       op = m[1]
-      if op in ("conditional", "while"):
+      if op in _HOLDERS:
         called = []
         for a, b in _CALLED.findall(line):
           called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]

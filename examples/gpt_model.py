@@ -11,6 +11,7 @@ params' shapes without allocating them.
 """
 
 import functools
+import operator
 
 import flax.linen as nn
 import jax
@@ -129,9 +130,13 @@ def fused_cross_entropy(x, table, targets, chunk: int = 4096):
   batch 16 x 1024 those are 1.6 GB in bfloat16 and 3.3 GB per float32 copy.
   The price is the logits matmul once more in the backward pass.
   """
-  if not isinstance(chunk, int) or chunk < 1:
+  try:
+    rows = operator.index(chunk)
+  except TypeError:
+    rows = 0
+  if rows < 1:
     raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-  return _fused_ce(min(chunk, x.shape[0]), x, table, targets)
+  return _fused_ce(min(rows, x.shape[0]), x, table, targets)
 
 
 def _in_chunks(chunk, *rows):

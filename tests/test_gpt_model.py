@@ -1,4 +1,4 @@
-"""The GPT example's fused loss (examples/gpt_model.fused_cross_entropy):
+"""The GPT model's fused loss (examples/gpt_model.fused_cross_entropy):
 the cross-entropy of the tied-embedding logits, a chunk of rows at a time."""
 
 import pathlib
@@ -54,6 +54,31 @@ def test_fused_loss_and_gradients_equal_float64_numpy(chunk):
   np.testing.assert_allclose(d_table, want[2], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_fused_loss_in_a_narrow_dtype_pulls_back_any_cotangent(dtype):
+  """bf16/fp16 inputs: cotangents in the inputs' dtypes, equal to float64
+  NumPy's at that dtype's precision, for a cotangent of 2 (not 1)."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(40, 16)), dtype)
+  table = jnp.asarray(rng.normal(size=(30, 16)), dtype)
+  targets = rng.integers(0, 30, 40)
+  loss, pull_back = jax.vjp(
+    lambda x, t: gpt_model.fused_cross_entropy(x, t, jnp.asarray(targets), 16),
+    x,
+    table,
+  )
+  dx, d_table = pull_back(jnp.asarray(2.0, loss.dtype))
+  assert loss.dtype == jnp.float32
+  assert dx.dtype == dtype and d_table.dtype == dtype
+  want = reference(
+    np.asarray(x, np.float64), np.asarray(table, np.float64), targets
+  )
+  np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+  for got, ref in ((dx, 2 * want[1]), (d_table, 2 * want[2])):
+    got = np.asarray(got, np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
 def test_the_model_with_targets_gives_the_loss_of_its_logits():
   """float32: the same loss and gradients as cross_entropy of the logits;
   under bf16-mixed, close to it (the fused logits are not rounded to
@@ -104,8 +129,12 @@ def test_the_model_with_targets_gives_the_loss_of_its_logits():
 
 def test_the_fused_loss_refuses_what_it_cannot_do():
   x = jnp.ones((4, 8))
-  with pytest.raises(ValueError, match="chunk must be a positive int, got 0"):
-    gpt_model.fused_cross_entropy(x, jnp.ones((5, 8)), jnp.zeros(4, int), 0)
+  for bad in (0, 2.0, None):
+    with pytest.raises(ValueError, match=f"positive int, got {bad!r}"):
+      gpt_model.fused_cross_entropy(x, jnp.ones((5, 8)), jnp.zeros(4, int), bad)
+  # The fused loss's float32 logits would be autocast: refused.
+  with pytest.raises(SystemExit, match="--loss fused runs without autocast"):
+    gpt2.main(["--tiny", "--loss", "fused"])
   untied = gpt_model.GPT(layers=1, d_model=8, heads=2, seq_len=4)
   tokens = jnp.zeros((1, 4), jnp.int32)
   params = untied.init(jax.random.key(0), tokens)
@@ -118,15 +147,11 @@ def test_gpt2_benchmark_runs_with_the_fused_loss():
     [
       *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
       *("--steps-per-round", "1", "--warmup", "1", "--no-plain"),
-      *("--loss", "fused", "--loss-chunk", "48"),
+      *("--loss", "fused", "--loss-chunk", "48", "--autocast", ""),
     ]
   )
   assert result["loss"] == "fused, chunks of 48 rows"
-  assert [r["step"] for r in result["rows"]] == [
-    "hand-bf16",
-    "bf16-mixed",
-    "autocast bf16-mixed",
-  ]
+  assert [r["step"] for r in result["rows"]] == ["hand-bf16", "bf16-mixed"]
   assert "| bf16-mixed | 2 | fused, chunks of 48 rows |" in gpt2.table(
     {"gpt2-fused": result}
   )
