@@ -39,6 +39,7 @@ without the position embedding.
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -92,6 +93,12 @@ def parse_args(argv=None):
     " computes the loss off the tied embedding (gpt_model.fused_cross_entropy)",
   )
   p.add_argument("--loss-chunk", type=int, default=4096)
+  p.add_argument(
+    "--xla-flags",
+    default="",
+    help="added to XLA_FLAGS before JAX starts its backend (recorded in the"
+    " results, shown beside the run's rows)",
+  )
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
   p.add_argument(
     "--torch",
@@ -116,7 +123,13 @@ def peak_flops(kind: str) -> float | None:
 def _ours(results: dict) -> list[dict]:
   """jmp_train's runs (not the PyTorch twin's), by batch then loss."""
   runs = [r for r in results.values() if "framework" not in r]
-  return sorted(runs, key=lambda r: (r["batch"], r.get("loss", "logits")))
+  return sorted(runs, key=lambda r: (r["batch"], _run_label(r)))
+
+
+def _run_label(r: dict) -> str:
+  """How a run computed its loss, and the XLA flags it set."""
+  flags = r.get("xla_flags")
+  return r.get("loss", "logits") + (f"; XLA_FLAGS {flags}" if flags else "")
 
 
 def _best(runs: list[dict], step: str):
@@ -135,7 +148,7 @@ def table(results: dict) -> str:
     [
       x["step"],
       r["batch"],
-      r.get("loss", "logits"),
+      _run_label(r),
       f"{x['ms']:.1f}",
       f"{x['steps_per_s']:.2f}",
       f"{x['tokens_per_s']:,}",
@@ -177,7 +190,7 @@ def table(results: dict) -> str:
       if "autocast bf16-mixed" in by_name:
         auto = by_name["autocast bf16-mixed"]["ms"] / mixed["ms"]
         line += f"; autocast bf16-mixed {md.ratio(auto)} the bf16-mixed step"
-      line += f" (batch {g['batch']}, loss {g.get('loss', 'logits')})."
+      line += f" (batch {g['batch']}, loss {_run_label(g)})."
     out += ["", line]
   return "\n".join(out)
 
@@ -219,7 +232,7 @@ def torch_table(results: dict) -> str:
       r, a = _best(runs, preset)
       if loss == "fused" and a is None:
         continue
-      label = f"{preset}, loss {r.get('loss', 'logits') if r else loss}"
+      label = f"{preset}, loss {_run_label(r) if r else loss}"
       if a is None or b is None:
         rows.append([precision, label, "not measured", "", "", ""])
         continue
@@ -317,6 +330,10 @@ def main_torch(args, cfg: dict) -> dict:
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.xla_flags:  # read when the backend starts, not at import
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags
+    ).strip()
   if args.loss == "fused" and args.autocast:
     # Under autocast the fused loss's float32 matmuls trace as float32
     # operands and run in the compute dtype: not the fused loss's numerics.
@@ -447,6 +464,7 @@ def main(argv=None):
     "peak_bf16_tflops": peak / 1e12 if peak else None,
     "rows": timed_rows(seconds, cfg, args.batch, n_flops, peak),
     "loss": loss_label(args),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
     "ratios_vs": names[0],
     "jax": jax.__version__,
   }

@@ -70,6 +70,9 @@ GPU_JOBS = {
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
   "gpt2-fused": "gpt2.py --loss fused --no-plain --autocast ''"
   " --presets bf16-mixed,fp16-mixed",
+  # cuDNN's LayerNorm kernels in place of XLA's fusions (item 2's passes).
+  "gpt2-cudnn-ln": "gpt2.py --no-plain --autocast '' --presets bf16-mixed"
+  " --xla-flags=--xla_gpu_enable_cudnn_layer_norm=true",
   "gpt2-torch": "gpt2.py --torch",
   "loss-head-gpu": "loss_head.py",
   "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",

@@ -1,6 +1,7 @@
 """The GPT model's fused loss (examples/gpt_model.fused_cross_entropy):
 the cross-entropy of the tied-embedding logits, a chunk of rows at a time."""
 
+import os
 import pathlib
 import sys
 
@@ -83,7 +84,7 @@ def test_the_model_with_targets_gives_the_loss_of_its_logits():
   """float32: the same loss and gradients as cross_entropy of the logits;
   under bf16-mixed, close to it (the fused logits are not rounded to
   bfloat16), with the gradients in the params' dtype."""
-  base = gpt_model.GPT(layers=2, d_model=32, heads=4, seq_len=16, tied=True)
+  base = gpt_model.GPT(layers=1, d_model=16, heads=2, seq_len=16, tied=True)
   tokens = jnp.asarray(
     np.random.default_rng(0).integers(0, gpt_model.VOCAB, (4, 17))
   )
@@ -142,16 +143,21 @@ def test_the_fused_loss_refuses_what_it_cannot_do():
     untied.apply(params, tokens, tokens)
 
 
-def test_gpt2_benchmark_runs_with_the_fused_loss():
+def test_gpt2_benchmark_runs_with_the_fused_loss(monkeypatch):
+  # --xla-flags adds to XLA_FLAGS (restored after the test; this process's
+  # backend has started, so only the record is checked here).
+  flag = "--xla_force_host_platform_device_count=8"
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   result = gpt2.main(
     [
       *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
       *("--steps-per-round", "1", "--warmup", "1", "--no-plain"),
       *("--loss", "fused", "--loss-chunk", "48", "--autocast", ""),
+      f"--xla-flags={flag}",
     ]
   )
+  assert result["xla_flags"].endswith(flag)
   assert result["loss"] == "fused, chunks of 48 rows"
   assert [r["step"] for r in result["rows"]] == ["hand-bf16", "bf16-mixed"]
-  assert "| bf16-mixed | 2 | fused, chunks of 48 rows |" in gpt2.table(
-    {"gpt2-fused": result}
-  )
+  label = f"fused, chunks of 48 rows; XLA_FLAGS {result['xla_flags']}"
+  assert f"| bf16-mixed | 2 | {label} |" in gpt2.table({"gpt2-fused": result})
