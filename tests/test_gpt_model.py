@@ -88,7 +88,7 @@ def test_the_model_with_targets_gives_the_loss_of_its_logits():
   tokens = jnp.asarray(
     np.random.default_rng(0).integers(0, gpt_model.VOCAB, (4, 17))
   )
-  params = base.init(jax.random.key(0), tokens[:, :-1])["params"]
+  params = jax.jit(base.init)(jax.random.key(0), tokens[:, :-1])["params"]
 
   def losses(model):
     def logits_loss(p):
@@ -98,9 +98,10 @@ def test_the_model_with_targets_gives_the_loss_of_its_logits():
     def fused_loss(p):  # chunks of 24 rows: the 64 rows pad the last
       return model.apply({"params": p}, tokens[:, :-1], tokens[:, 1:], 24)
 
-    return [
-      jax.jit(jax.value_and_grad(f))(params) for f in (logits_loss, fused_loss)
-    ]
+    both = jax.jit(  # one compile for the two
+      lambda p: [jax.value_and_grad(f)(p) for f in (logits_loss, fused_loss)]
+    )
+    return both(params)
 
   (want, want_grads), (got, got_grads) = losses(base)
   np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -138,7 +139,7 @@ def test_the_fused_loss_refuses_what_it_cannot_do():
     gpt2.main(["--tiny", "--loss", "fused"])
   untied = gpt_model.GPT(layers=1, d_model=8, heads=2, seq_len=4)
   tokens = jnp.zeros((1, 4), jnp.int32)
-  params = untied.init(jax.random.key(0), tokens)
+  params = jax.jit(untied.init)(jax.random.key(0), tokens)
   with pytest.raises(ValueError, match="tied=False"):
     untied.apply(params, tokens, tokens)
 
