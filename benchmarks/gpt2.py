@@ -297,19 +297,40 @@ def model_line(cfg: dict, n_params: int) -> str:
   )
 
 
+def seconds_per_step(names: list[str], run_round, args) -> dict:
+  """Median seconds per step of each step, `run_round(name)` running
+  `args.steps_per_round` of its steps and waiting for them: `args.rounds`
+  rounds, each in an order rotated by one, so drift spreads evenly."""
+  times = {name: [] for name in names}
+  for r in range(args.rounds):
+    for name in names[r % len(names) :] + names[: r % len(names)]:
+      t0 = time.perf_counter()
+      run_round(name)
+      times[name].append((time.perf_counter() - t0) / args.steps_per_round)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main_torch(args, cfg: dict) -> dict:
-  """The PyTorch twin's rows (benchmarks/gpt2_torch.py), same fields."""
+  """The PyTorch twin's rows (benchmarks/gpt2_torch.py), same fields, timed
+  as the JAX steps are."""
   import gpt2_torch
 
-  out = gpt2_torch.run(
-    cfg,
-    args.batch,
-    args.torch_precisions.split(","),
-    args.rounds,
-    args.steps_per_round,
-    args.warmup,
-    compile=not args.no_compile,
+  out = gpt2_torch.build(
+    cfg, args.batch, args.torch_precisions.split(","), not args.no_compile
   )
+  steps, warm_loss = out["steps"], {}
+  for name, step in steps.items():
+    for _ in range(args.warmup):
+      loss = step()
+    warm_loss[name] = loss.item()
+    print(f"{name}: warm, loss {warm_loss[name]:.3f}", flush=True)
+
+  def run_round(name):
+    for _ in range(args.steps_per_round):
+      steps[name]()
+    out["sync"]()
+
+  seconds = seconds_per_step(list(steps), run_round, args)
   peak = peak_flops(out["device_kind"])
   return {
     "framework": f"torch {out['torch']}",
@@ -321,10 +342,8 @@ def main_torch(args, cfg: dict) -> dict:
     "steps_per_round": args.steps_per_round,
     "device": f"{out['device_kind']}, {platform.machine()}",
     "peak_bf16_tflops": peak / 1e12 if peak else None,
-    "rows": timed_rows(
-      out["seconds"], cfg, args.batch, out["n_params_no_pos"], peak
-    ),
-    "warm_loss": out["warm_loss"],
+    "rows": timed_rows(seconds, cfg, args.batch, out["n_params_no_pos"], peak),
+    "warm_loss": warm_loss,
   }
 
 
@@ -438,22 +457,16 @@ def main(argv=None):
     state[name] = s
     print(f"{name}: warm, loss {float(metrics['loss']):.3f}")
 
-  times = {name: [] for name in steps}
-  names = list(steps)
-  for r in range(args.rounds):
-    for name in names[r % len(names) :] + names[: r % len(names)]:
-      step = steps[name][0]
-      s = state[name]
-      t0 = time.perf_counter()
-      for _ in range(args.steps_per_round):
-        s, metrics = step(s, tokens)
-      jax.block_until_ready(s)
-      times[name].append((time.perf_counter() - t0) / args.steps_per_round)
-      state[name] = s
+  def run_round(name):
+    step, s = steps[name][0], state[name]
+    for _ in range(args.steps_per_round):
+      s, _ = step(s, tokens)
+    state[name] = jax.block_until_ready(s)
 
+  names = list(steps)
+  seconds = seconds_per_step(names, run_round, args)
   kind = jax.devices()[0].device_kind
   peak = peak_flops(kind)
-  seconds = {name: statistics.median(times[name]) for name in names}
   result = {
     "model": model_line(cfg, n_params),
     "n_params": n_params,

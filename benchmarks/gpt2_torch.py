@@ -18,15 +18,12 @@ Steps, each nanoGPT's training loop with float32 params:
   `torch.amp.GradScaler` (its default dynamic scale: skips non-finite steps).
 
 AdamW has jmp_train's side's settings (`optax.adamw(1e-4)`: lr 1e-4, weight
-decay 1e-4 on every param, betas 0.9/0.999, eps 1e-8). Timing as in
-`gpt2.py`: warm-up steps, then rounds in rotated order, the median per round.
+decay 1e-4 on every param, betas 0.9/0.999, eps 1e-8). `gpt2.py` times the
+steps `build` returns as it times its own (`gpt2.seconds_per_step`).
 
 This module needs torch; jmp_train does not (the test that uses it skips
 where torch is absent).
 """
-
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -148,16 +145,16 @@ def make_step(model, device: str, precision: str, compile: bool):
   return step
 
 
-def run(cfg, batch, precisions, rounds, steps_per_round, warmup, compile):
-  """Times each precision's step side by side: the median seconds per step
-  of each, the loss after warm-up, and the model's parameter counts."""
+def build(cfg, batch, precisions, compile):
+  """Each precision's step on one random batch (`steps[name]()` runs one
+  and returns its loss), the function that waits for the device, and what
+  the results record of torch, the device and the model."""
   device = "cuda" if torch.cuda.is_available() else "cpu"
   if device == "cpu" and cfg["layers"] > 2:
     raise SystemExit(
       f"gpt2.py --torch: torch {torch.__version__} sees no CUDA device; a"
       " full-size run on CPU would be timed beside GPU rows (use --tiny)"
     )
-  sync = torch.cuda.synchronize if device == "cuda" else lambda: None
   torch.manual_seed(0)
   gen = torch.Generator().manual_seed(0)
   tokens = torch.randint(
@@ -166,31 +163,15 @@ def run(cfg, batch, precisions, rounds, steps_per_round, warmup, compile):
   steps = {}
   for precision in precisions:
     model = GPT(**cfg).to(device)
-    steps[f"torch {precision}"] = make_step(model, device, precision, compile)
+    step = make_step(model, device, precision, compile)
+    steps[f"torch {precision}"] = lambda step=step: step(tokens)
   n_params = sum(p.numel() for p in model.parameters())
-  warm_loss = {}
-  for name, step in steps.items():
-    for _ in range(warmup):
-      loss = step(tokens)
-    warm_loss[name] = loss.item()
-    print(f"{name}: warm, loss {warm_loss[name]:.3f}", flush=True)
-  times = {name: [] for name in steps}
-  names = list(steps)
-  for r in range(rounds):
-    for name in names[r % len(names) :] + names[: r % len(names)]:
-      t0 = time.perf_counter()
-      for _ in range(steps_per_round):
-        steps[name](tokens)
-      sync()
-      times[name].append((time.perf_counter() - t0) / steps_per_round)
-  kind = torch.cuda.get_device_name() if device == "cuda" else "cpu"
   return {
-    "framework": "torch",
+    "steps": steps,
+    "sync": torch.cuda.synchronize if device == "cuda" else lambda: None,
     "torch": torch.__version__,
     "compiled": compile,
-    "device_kind": kind,
+    "device_kind": torch.cuda.get_device_name() if device == "cuda" else "cpu",
     "n_params": n_params,
     "n_params_no_pos": n_params - cfg["seq_len"] * cfg["d_model"],
-    "seconds": {name: statistics.median(times[name]) for name in names},
-    "warm_loss": warm_loss,
   }
