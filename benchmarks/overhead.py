@@ -466,11 +466,11 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
   return count("ENTRY")
 
 
-def kernels_main(args, steps, params_of, x, y) -> dict:
-  """Each step's kernel count (`count_kernels` of its compiled HLO)."""
+def kernels_main(args, steps, params, x, y) -> dict:
+  """Each step's kernel count (`count_kernels` of its compiled HLO; steps
+  are compiled, not run, so they share `params`)."""
   kernels = {}
   for name, (init, step) in steps.items():
-    params = params_of()
     hlo = step.lower(params, init(params), x, y).compile().as_text()
     by_op = count_kernels(hlo)
     kernels[name] = {"total": sum(by_op.values()), "by_op": by_op}
@@ -478,8 +478,8 @@ def kernels_main(args, steps, params_of, x, y) -> dict:
   return {
     "what": "kernels per "
     + ("optimizer update" if args.update_only else "train step"),
-    "param_dtype": jnp.dtype(params_of().__getitem__(0)["w"].dtype).name,
-    "leaves": len(jax.tree.leaves(params_of())),
+    "param_dtype": jnp.dtype(jax.tree.leaves(params)[0].dtype).name,
+    "leaves": len(jax.tree.leaves(params)),
     "kernels": kernels,
     "device": f"{jax.devices()[0].device_kind}, {platform.machine()}",
     "jax": jax.__version__,
@@ -526,13 +526,8 @@ def main(argv=None):
     steps, base = make_steps(args.update_only, args.study), "plain"
   dtype = jnp.bfloat16 if args.bf16_params else jnp.float32
   if args.kernels:
-    result = kernels_main(
-      args,
-      steps,
-      lambda: jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key)),
-      x,
-      y,
-    )
+    params = jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key))
+    result = kernels_main(args, steps, params, x, y)
     print(kernels_table({"k": result}))
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
