@@ -325,6 +325,13 @@ def launch_logs(directory):
   )
 
 
+def mp_timeout_s(one_process_s):
+  """A launch's time limit from the same work's one-process time under the
+  same load: 60 s plus three times that. A hang fails in minutes; a busy
+  CI machine, where a flat 60 s once ran out, does not fail a healthy run."""
+  return 60 + 3 * one_process_s
+
+
 def load(path):
   """A list `main` saved with np.savez."""
   with np.load(path) as f:
