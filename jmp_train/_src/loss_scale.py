@@ -101,14 +101,21 @@ def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
     return children, (names, settings)
 
   def flatten(ls):
-    children, aux = flatten_with_keys(ls)
-    return tuple(leaf for _, leaf in children), aux
+    # What every jit call runs on its arguments and results: no keys.
+    d = ls.__dict__
+    names = leaf_names(ls)
+    return [d[k] for k in names], (
+      names,
+      tuple((k, d[k]) for k in fields if k not in names),
+    )
 
   def unflatten(aux, children):
     names, settings = aux
-    return _new(
-      cls, **dict(settings), **dict(zip(names, children, strict=True))
-    )
+    obj = object.__new__(cls)
+    d = obj.__dict__
+    d.update(settings)
+    d.update(zip(names, children, strict=True))
+    return obj
 
   jax.tree_util.register_pytree_with_keys(
     cls, flatten_with_keys, unflatten, flatten
