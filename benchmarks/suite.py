@@ -34,6 +34,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tarfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -51,6 +52,8 @@ CPU_JOBS = {
   "overhead-masters-update": "overhead.py --bf16-params --update-only --steps 40",
   "overhead-kernels": "overhead.py --kernels",
   "overhead-kernels-update": "overhead.py --kernels --update-only",
+  "overhead-profile": "overhead.py --batch 64 --profile-steps 10 --profile"
+  " benchmarks/results/traces/cpu-step",
   "zero1": "zero1.py",
   "compile": "compile_time.py",
   "fp8": "fp8.py --accuracy",
@@ -85,6 +88,14 @@ GPU_JOBS = {
   "overhead-gpu-kernels": "overhead.py --kernels --batch 16384",
   "overhead-gpu-kernels-update": "overhead.py --kernels --update-only",
   "overhead-gpu-update": "overhead.py --update-only --steps 100",
+  # As a training loop that reads its metrics every 10 steps runs.
+  "overhead-gpu-rounds": "overhead.py --batch 16384 --steps 30"
+  " --steps-per-round 10",
+  # Where the time goes: traces (kept beside the JSON, not committed).
+  "overhead-gpu-profile": "overhead.py --batch 16384 --profile"
+  " benchmarks/results/traces/gpu-step",
+  "overhead-gpu-profile-update": "overhead.py --update-only --profile"
+  " benchmarks/results/traces/gpu-update",
   "overhead-gpu-study": "overhead.py --study --batch 16384 --steps 100",
   "overhead-gpu-masters": "overhead.py --bf16-params --batch 16384 --steps 100",
   "overhead-gpu-masters-update": (
@@ -132,6 +143,8 @@ GPU_QUICK = {
   "gpt2-memory-bf16-mixed": "gpt2_memory.py --tiny --preset bf16-mixed",
   "fp8-matmul": "fp8.py --matmul --sizes 256",
   "overhead-gpu": "overhead.py --batch 256 --steps 3",
+  "overhead-gpu-profile": "overhead.py --batch 256 --profile-steps 3"
+  " --profile benchmarks/results/traces/gpu-quick",
 }
 
 
@@ -240,11 +253,49 @@ def render(results: dict, env: dict, gpu_env: dict | None, quick: bool) -> str:
   return head + page
 
 
+def gpu_kind() -> str | None:
+  """The first device's kind if it is a GPU, else None, asked in a child
+  process: a JAX that starts its GPU backend here would hold (preallocate)
+  most of the GPU's memory while the jobs run."""
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-c",
+      "import jax; d = jax.devices()[0]; print(d.platform); print(d.device_kind)",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  platform_name, kind = done.stdout.strip().splitlines()[-2:]
+  return kind if platform_name == "gpu" else None
+
+
+def archive(json_dir: pathlib.Path, path: pathlib.Path) -> None:
+  """`json_dir` as a .tar.gz at `path`, written beside it and renamed, so a
+  run killed while writing leaves the last whole archive."""
+  tmp = path.with_name(path.name + ".tmp")
+  with tarfile.open(tmp, "w:gz") as tar:
+    tar.add(json_dir, arcname=json_dir.name)
+  tmp.replace(path)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="tiny configurations")
   p.add_argument("--render", action="store_true", help="only re-render")
-  p.add_argument("--only", default=None, help="comma-separated job names")
+  p.add_argument(
+    "--only",
+    default=None,
+    help="comma-separated job names, run in the order given",
+  )
+  p.add_argument(
+    "--archive",
+    default=None,
+    metavar="TGZ",
+    help="after each job, write the json dir (traces included) to this"
+    " .tar.gz: a run cut short keeps what finished",
+  )
   p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
   p.add_argument(
     "--json-dir",
@@ -253,27 +304,34 @@ def main(argv=None):
   )
   args = p.parse_args(argv)
 
-  import jax  # only to see which device the benchmarks will get
-
-  device = jax.devices()[0]
-  gpu = device.device_kind if device.platform == "gpu" else None
+  gpu = gpu_kind()
   json_dir = pathlib.Path(args.json_dir)
   json_dir.mkdir(parents=True, exist_ok=True)
   todo = jobs(args.quick, gpu is not None)
   if args.only:
-    todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
+    names = [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in todo]
+    if unknown:
+      p.error(
+        f"--only names {', '.join(unknown)}, not jobs on this machine"
+        f" ({'GPU' if gpu else 'CPU'}{', quick' if args.quick else ''}):"
+        f" {', '.join(todo)}"
+      )
+    todo = {n: todo[n] for n in names}
   failed = []
   if not args.render:
+    env_name = "environment-gpu.json" if gpu else "environment.json"
+    # Written first, so a run cut short still says which machine it was.
+    (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))
     for name, job in todo.items():
       try:
         seconds = run_job(name, job, json_dir)
+        print(f"== {name}: {seconds:.1f}s", flush=True)
       except RuntimeError as e:  # the other jobs still run and render
         print(f"== {e}", flush=True)
         failed.append(name)
-        continue
-      print(f"== {name}: {seconds:.1f}s", flush=True)
-    env_name = "environment-gpu.json" if gpu else "environment.json"
-    (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))
+      if args.archive:
+        archive(json_dir, pathlib.Path(args.archive))
   results = {
     path.stem: json.loads(path.read_text())
     for path in sorted(json_dir.glob("*.json"))
