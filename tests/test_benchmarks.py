@@ -548,3 +548,155 @@ def test_gpt2_memory_tiny_checks_the_table_against_xla():
   assert 0 <= pred["optimizer_state"] - 2 * pred["params"] <= 64
   assert result["peak_bytes_in_use"] is None or result["peak_bytes_in_use"] > 0
   assert "| bf16-mixed |" in gpt2_memory.table({"m": result})
+
+
+def _span(name, ts, dur, tid, pid=1, **args):
+  return dict(ph="X", name=name, ts=ts, dur=dur, pid=pid, tid=tid, args=args)
+
+
+def test_trace_summary_reads_a_gpu_trace():
+  # Written as jax.profiler's perfetto trace of a GPU: a host process with
+  # the jitted calls, a device process with two stream lines and a line
+  # derived from their kernels (which must not count twice).
+  meta = [
+    dict(ph="M", name="process_name", pid=1, args={"name": "/host:CPU"}),
+    dict(ph="M", name="process_name", pid=2, args={"name": "/device:GPU:0"}),
+    dict(ph="M", name="thread_name", pid=2, tid=7, args={"name": "Stream #7"}),
+    dict(ph="M", name="thread_name", pid=2, tid=8, args={"name": "Stream #8"}),
+    dict(ph="M", name="thread_name", pid=2, tid=9, args={"name": "XLA Ops"}),
+  ]
+  kernels = [  # two steps
+    _span("k1", 0, 10, 7, pid=2, hlo_op="multiply_fusion.3"),
+    _span("k2", 5, 10, 8, pid=2, hlo_op="multiply_fusion.9"),  # overlaps k1
+    _span("k3", 30, 4, 7, pid=2, hlo_op="dot"),
+    _span("k4", 100, 10, 7, pid=2, hlo_op="multiply_fusion.3"),
+    _span("MemcpyD2H", 120, 2, 8, pid=2),  # no hlo_op: named as it is
+    _span("k6", 130, 4, 7, pid=2, hlo_op="dot"),
+  ]
+  derived = [_span(e["name"], e["ts"], e["dur"], 9, pid=2) for e in kernels]
+  host = [
+    _span("PjitFunction(ours)", -50, d, 3) for d in (30.0, 10.0, 20.0)
+  ] + [_span("$python frame", -60, 500, 3)]
+  s = overhead.trace_summary(meta + kernels + derived + host, steps=2)
+  assert s["kernels_per_step"] == 3
+  assert s["kernel_us_per_step"] == (10 + 10 + 4 + 10 + 2 + 4) / 2
+  # Union: [0, 15) + [30, 34) + [100, 110) + [120, 122) + [130, 134).
+  assert s["busy_us_per_step"] == (15 + 4 + 10 + 2 + 4) / 2
+  assert s["dispatch_us_per_call"] == 20.0  # the median
+  assert s["by_kind_us"] == {
+    "multiply_fusion": 15.0,
+    "dot": 4.0,
+    "MemcpyD2H": 1.0,
+  }
+  assert s["lines"] == ["Stream #7", "Stream #8"]
+
+
+def test_trace_summary_counts_a_cpu_conditional_through_its_kernels():
+  # XLA:CPU has no device process: its thunks carry an hlo_op, and a
+  # conditional's span holds the kernels of the branch it ran.
+  events = [
+    _span("a", 0, 5, 1, hlo_op="fusion.1"),
+    _span("end: a", 5, 0.1, 1),
+    _span("cond", 10, 20, 1, hlo_op="conditional"),
+    _span("b", 11, 8, 1, hlo_op="fusion.2"),
+    _span("c", 20, 9, 1, hlo_op="add.4"),
+    _span("d", 12, 3, 2, hlo_op="fusion.5"),  # the other core, at once
+  ]
+  s = overhead.trace_summary(events, steps=1)
+  assert s["kernels_per_step"] == 4  # a, b, c, d; not the conditional
+  assert s["by_kind_us"] == {"add": 9, "fusion": 16}
+  assert s["busy_us_per_step"] == 5 + (19 - 11) + (29 - 20)
+  assert s["dispatch_us_per_call"] is None
+
+
+def test_overhead_profile_counts_the_compiled_kernels(tmp_path):
+  # A real CPU trace: each step's kernels are its compiled HLO's
+  # (count_kernels, read from the HLO text, not from the trace), the
+  # conditional's update branch on these finite steps.
+  tiny = ["--dims", "16,32,4", "--batch", "8", "--warmup", "1"]
+  prof = overhead.main(
+    [*tiny, "--profile", str(tmp_path), "--profile-steps", "4"]
+    + ["--steps-per-round", "2"]
+  )
+  counted = overhead.main([*tiny, "--kernels"])["kernels"]
+  assert set(prof["profiles"]) == set(counted)
+  for name, p in prof["profiles"].items():
+    assert p["steps"] == 4
+    assert p["kernels_per_step"] == counted[name]["total"], name
+    assert 0 < p["busy_us_per_step"] < p["wall_us_per_step"]
+    assert p["dispatch_us_per_call"] > 0
+    assert (tmp_path / name).is_dir()  # the trace stays for a closer look
+  text = overhead.profile_table({"p": prof})
+  assert "| cpu, train step, batch 8, 2 steps per wait | ours |" in text
+  assert "ours over plain, us per step: " in text
+  assert "ours over skip-only, us per step: " in text
+
+
+def test_overhead_steps_per_round_label_and_gpu_verdicts():
+  result = overhead.main(
+    ["--dims", "16,32,4", "--batch", "8", "--steps", "2", "--warmup", "1"]
+    + ["--steps-per-round", "3"]
+  )
+  assert result["steps_per_round"] == 3
+  assert "| full step, batch 8, 3 steps per wait |" in overhead.table(
+    {"r": result}
+  )
+  # On a GPU each full-step row gets its own verdict against 1.02x.
+  gpu = {"device": "NVIDIA H100, 1 device(s), x86_64"}
+  rows = {
+    "a": dict(result, **gpu, steps_per_round=1),
+    "b": dict(result, **gpu, steps_per_round=10),
+  }
+  rows["a"]["ratio_vs_plain"] = dict(result["ratio_vs_plain"], ours=1.05)
+  rows["b"]["ratio_vs_plain"] = dict(result["ratio_vs_plain"], ours=1.01)
+  text = overhead.gpu_table(rows)
+  assert (
+    "1.050x waiting after every step, **not met**;"
+    " 1.010x with 10 steps per wait, **met**"
+  ) in text
+  with pytest.raises(SystemExit):
+    overhead.parse_args(["--steps-per-round", "0"])
+
+
+def test_suite_runs_only_the_named_jobs_in_order_and_archives(tmp_path):
+  with pytest.raises(SystemExit):  # a typo is refused, not skipped
+    suite.main(["--quick", "--only", "overhead-64,overhed-update"])
+  assert suite.gpu_kind() is None  # this machine's first device is a CPU
+  json_dir, tgz = tmp_path / "results", tmp_path / "r.tgz"
+  argv = [
+    "--quick",
+    "--json-dir",
+    str(json_dir),
+    "--out",
+    str(tmp_path / "B.md"),
+  ]
+  seen = []
+
+  def run_job(name, job, where):
+    seen.append(name)
+    (where / f"{name}.json").write_text(json.dumps({"ran": name}))
+    if name == "overhead-update":
+      raise RuntimeError("overhead-update failed (exit 1)")
+    return 0.0
+
+  import unittest.mock
+
+  with (
+    unittest.mock.patch.object(suite, "run_job", run_job),
+    unittest.mock.patch.object(suite, "render", lambda *a: "page"),
+  ):
+    with pytest.raises(SystemExit, match="failed: overhead-update"):
+      suite.main(
+        [*argv, "--only", "overhead-update,overhead-64", "--archive", str(tgz)]
+      )
+  assert seen == ["overhead-update", "overhead-64"]
+  import tarfile
+
+  with tarfile.open(tgz) as tar:
+    names = sorted(tar.getnames())
+  assert names == [
+    "results",
+    "results/environment.json",
+    "results/overhead-64.json",
+    "results/overhead-update.json",
+  ]
