@@ -81,7 +81,16 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   for name in ("steps_per_round", "profile_steps", "steps"):
     if getattr(args, name) < 1:
-      p.error(f"--{name.replace('_', '-')} must be >= 1")
+      p.error(
+        f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+      )
+  if args.profile and args.kernels:
+    p.error("--profile and --kernels each replace the timing: pass one")
+  if args.profile and args.profile_steps % args.steps_per_round:
+    p.error(
+      f"--profile-steps {args.profile_steps} must be a multiple of"
+      f" --steps-per-round {args.steps_per_round}"
+    )
   return args
 
 
@@ -556,9 +565,8 @@ def run_round(step, state, x, y, args):
 
 # -- where the time goes: jax.profiler traces (--profile) ----------------------
 
-# Lines a trace derives from the kernels themselves (counting them again
-# would count each kernel twice).
-_DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source")
+# Copies and fills on a GPU's streams: device work, but not kernels.
+_TRANSFERS = ("Memcpy", "Memset")
 
 
 def read_trace(directory) -> list[dict]:
@@ -572,44 +580,71 @@ def read_trace(directory) -> list[dict]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def _busy_us(spans: list[tuple[float, float]]) -> float:
-  """The length of the union of the [start, end) intervals."""
-  busy, end = 0.0, float("-inf")
+def _ns(us: float) -> int:
+  """Microseconds (a trace's float) as whole nanoseconds, so ends compare
+  exactly (1.1 + 2.2 > 3.3 in floats)."""
+  return round(us * 1000)
+
+
+def _busy_us(spans: list[tuple[int, int]]) -> float:
+  """The length of the union of the [start, end) intervals (ns), in us."""
+  busy, end = 0, None
   for a, b in sorted(spans):
-    if b > end:
-      busy += b - max(a, end)
+    if end is None or b > end:
+      busy += b - (a if end is None else max(a, end))
       end = b
-  return busy
+  return busy / 1000
 
 
 def _innermost(spans: list[dict]) -> list[dict]:
   """The spans that hold no other span of their line: a conditional's or a
-  loop's span, which holds the kernels it ran, is not a kernel itself."""
+  loop's span, which holds the kernels it ran, is not a kernel itself. A
+  span held must lie wholly inside and last a while: spans that only
+  overlap, or one of no length at another's start, are both kept."""
   by_line: dict[tuple, list[dict]] = {}
   for e in spans:
     by_line.setdefault((e["pid"], e["tid"]), []).append(e)
   kept = []
   for line in by_line.values():
-    line.sort(key=lambda e: (e["ts"], -e["dur"]))
-    for e, nxt in zip(line, [*line[1:], None], strict=True):
-      if nxt is None or nxt["ts"] >= e["ts"] + e["dur"]:
+    line.sort(key=lambda e: (_ns(e["ts"]), -_ns(e["dur"])))
+    for i, e in enumerate(line):
+      start, end = _ns(e["ts"]), _ns(e["ts"] + e["dur"])
+      holds = False
+      for other in line[i + 1 :]:
+        if _ns(other["ts"]) >= end:
+          break
+        if _ns(other["dur"]) > 0 and _ns(other["ts"] + other["dur"]) <= end:
+          holds = _ns(other["ts"]) > start or _ns(other["dur"]) < end - start
+          if holds:
+            break
+      if not holds:
         kept.append(e)
   return kept
 
 
-def trace_summary(events: list[dict], steps: int) -> dict:
-  """Per step: the kernels' time on the device, their number and union
-  (busy time), the host's dispatch time, and the time by kernel kind.
+def _kind(e: dict) -> str:
+  """A span's kernel kind: its HLO name, or else its own name, without the
+  number (`multiply_fusion.7`, `loop_add_fusion_3`)."""
+  op = e.get("args", {}).get("hlo_op")
+  return re.sub(r"\.\d+$", "", op) if op else re.sub(r"[._]\d+$", "", e["name"])
 
-  Kernels are the spans on a `/device:...` process's stream lines (the
-  lines a trace derives from them, such as "XLA Ops", are left out); on a
-  CPU, which has no device process, the thunks XLA:CPU runs (spans with an
-  `hlo_op`). A span that holds others on its line (a conditional's) is not
-  counted; the kernels it ran are. A kernel's kind is its HLO name without the number
-  (`broadcast_multiply_fusion.7` -> `broadcast_multiply_fusion`), so the
-  kinds of two compiled steps can be compared. Dispatch is the host's
-  `PjitFunction(...)` spans (their median): the jitted call, from Python
-  until the work is enqueued.
+
+def trace_summary(events: list[dict], steps: int, device: bool) -> dict:
+  """Per step: the kernels' time, their number and their union with the
+  transfers (the device's busy time), the host's dispatch time, and the time
+  by kernel kind.
+
+  With `device` (a GPU's trace) the kernels are the spans on the stream
+  lines (`Stream #...`) of the `/device:...` processes, the memory copies
+  and fills among them counted apart; the lines derived from them ("XLA
+  Ops", ...) are left out. Without it (XLA:CPU, which has no device
+  process) they are the thunks XLA:CPU runs, the spans with an `hlo_op`. A
+  span that holds others on its line (a conditional's) is not counted; the
+  kernels it ran are. Kinds drop the number of the name, so the kinds of
+  two compiled steps can be compared. Dispatch is the median of the host's
+  `PjitFunction(...)` spans: the jitted call, from Python until the work is
+  enqueued. A trace without kernels or dispatch spans is refused, with the
+  process and line names it has.
   """
   process, thread = {}, {}
   for e in events:
@@ -618,46 +653,53 @@ def trace_summary(events: list[dict], steps: int) -> dict:
     if e.get("ph") == "M" and e.get("name") == "thread_name":
       thread[(e["pid"], e["tid"])] = e["args"]["name"]
   spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-  devices = {p for p, n in process.items() if n.startswith("/device:")}
-
-  def on_device(e):
-    line = thread.get((e["pid"], e["tid"]), "")
-    return e["pid"] in devices and not line.startswith(_DERIVED_LINES)
-
-  kernels = [e for e in spans if on_device(e)]
-  if not devices:
-    kernels = [
+  seen = (
+    f"processes {sorted(process.values())}, lines"
+    f" {sorted(set(thread.values()))}"
+  )
+  if device:
+    pids = {p for p, n in process.items() if n.startswith("/device:")}
+    work = [
       e
       for e in spans
-      if "hlo_op" in e.get("args", {}) and not e["name"].startswith("end: ")
+      if e["pid"] in pids
+      and thread.get((e["pid"], e["tid"]), "").startswith("Stream")
     ]
-  kernels = _innermost(kernels)
+  else:
+    work = [e for e in spans if "hlo_op" in e.get("args", {})]
+  work = _innermost(work)
+  kernels = [e for e in work if not e["name"].startswith(_TRANSFERS)]
   dispatch = [e["dur"] for e in spans if e["name"].startswith("PjitFunction(")]
+  if not kernels or not dispatch:
+    missing = "device kernels" if not kernels else "PjitFunction spans"
+    raise ValueError(f"the trace has no {missing}; it has {seen}")
   by_kind: dict[str, float] = {}
-  for e in kernels:
-    op = e.get("args", {}).get("hlo_op") or e["name"]
-    kind = re.sub(r"\.\d+$", "", op)
-    by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"] / steps
-  lines = sorted(
-    {thread.get((e["pid"], e["tid"]), str(e["tid"])) for e in kernels}
-  )
+  for e in work:
+    by_kind[_kind(e)] = by_kind.get(_kind(e), 0.0) + e["dur"] / steps
   return {
     "kernels_per_step": len(kernels) / steps,
+    "transfers_per_step": (len(work) - len(kernels)) / steps,
     "kernel_us_per_step": sum(e["dur"] for e in kernels) / steps,
     "busy_us_per_step": _busy_us(
-      [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+      [(_ns(e["ts"]), _ns(e["ts"] + e["dur"])) for e in work]
     )
     / steps,
-    "dispatch_us_per_call": statistics.median(dispatch) if dispatch else None,
+    "dispatch_us_per_call": statistics.median(dispatch),
     "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-    "lines": lines,
+    "lines": sorted(
+      {thread.get((e["pid"], e["tid"]), str(e["tid"])) for e in work}
+    ),
   }
 
 
 def profile_main(args, steps, make_params, x, y) -> dict:
-  """Each step warmed up, then `args.profile_steps` of its steps traced
-  (in rounds of `args.steps_per_round`) into DIR/<step>, and summarized."""
+  """Each step warmed up and timed without the profiler, then
+  `args.profile_steps` of its steps traced (in rounds of
+  `args.steps_per_round`) into DIR/<step>, and summarized."""
   root = pathlib.Path(args.profile)
+  on_device = jax.devices()[0].platform != "cpu"
+  rounds = args.profile_steps // args.steps_per_round
+  n = rounds * args.steps_per_round
   profiles = {}
   for name, (init, step) in steps.items():
     params = make_params()
@@ -665,22 +707,26 @@ def profile_main(args, steps, make_params, x, y) -> dict:
     for _ in range(args.warmup):
       state = step(*state, x, y)
     jax.block_until_ready(state)
-    rounds = max(1, args.profile_steps // args.steps_per_round)
-    with jax.profiler.trace(str(root / name), create_perfetto_trace=True):
+
+    def timed(state, step=step):
       t0 = time.perf_counter()
       for _ in range(rounds):
         state = run_round(step, state, x, y, args)
-      wall = time.perf_counter() - t0
-    n = rounds * args.steps_per_round
-    summary = trace_summary(read_trace(root / name), n)
-    summary["wall_us_per_step"] = 1e6 * wall / n
-    summary["steps"] = n
+      return state, 1e6 * (time.perf_counter() - t0) / n
+
+    state, unprofiled = timed(state)
+    with jax.profiler.trace(str(root / name), create_perfetto_trace=True):
+      state, wall = timed(state)
+    summary = trace_summary(read_trace(root / name), n, device=on_device)
+    summary.update(
+      wall_us_per_step=wall, unprofiled_us_per_step=unprofiled, steps=n
+    )
     profiles[name] = summary
     print(
-      f"{name}: wall {summary['wall_us_per_step']:.0f} us/step, kernels"
-      f" {summary['kernels_per_step']:.1f}, busy"
+      f"{name}: wall {wall:.0f} us/step ({unprofiled:.0f} unprofiled),"
+      f" kernels {summary['kernels_per_step']:.1f}, busy"
       f" {summary['busy_us_per_step']:.0f} us, dispatch"
-      f" {summary['dispatch_us_per_call'] or 0:.0f} us",
+      f" {summary['dispatch_us_per_call']:.0f} us",
       flush=True,
     )
   return {
@@ -705,7 +751,15 @@ def _extra_kinds(ours: dict, base: dict, name: str, top: int = 6) -> str:
   }
   more = sorted((kv for kv in diff.items() if kv[1] > 0), key=lambda kv: -kv[1])
   less = sorted((kv for kv in diff.items() if kv[1] < 0), key=lambda kv: kv[1])
-  text = f"ours over {name}, us per step: " + (
+  ratios = ", ".join(
+    f"{what} {md.ratio(ours[key] / base[key])}"
+    for what, key in (
+      ("unprofiled", "unprofiled_us_per_step"),
+      ("traced", "wall_us_per_step"),
+      ("kernel time", "kernel_us_per_step"),
+    )
+  )
+  text = f"ours / {name}: {ratios}. Ours over {name}, us per step: " + (
     ", ".join(f"`{k}` +{d:.0f}" for k, d in more[:top]) or "nothing"
   )
   if less:
@@ -729,16 +783,21 @@ def profile_table(results: dict) -> str:
     if r["steps_per_round"] > 1:
       label += f", {r['steps_per_round']} steps per wait"
     for name, p in prof.items():
-      dispatch = p["dispatch_us_per_call"]
       rows.append(
         [
           label,
           name,
+          f"{p['unprofiled_us_per_step']:.0f}",
           f"{p['wall_us_per_step']:.0f}",
-          "-" if dispatch is None else f"{dispatch:.0f}",
+          f"{p['dispatch_us_per_call']:.0f}",
           f"{p['busy_us_per_step']:.0f}",
           f"{p['kernel_us_per_step']:.0f}",
-          f"{p['kernels_per_step']:.0f}",
+          f"{p['kernels_per_step']:.0f}"
+          + (
+            f" (+{p['transfers_per_step']:.0f} copies)"
+            if p["transfers_per_step"]
+            else ""
+          ),
         ]
       )
     for base in ("plain", "skip-only"):
@@ -748,7 +807,8 @@ def profile_table(results: dict) -> str:
     [
       "machine, what",
       "step",
-      "wall us/step",
+      "us/step unprofiled",
+      "us/step traced",
       "dispatch us/call",
       "device busy us/step",
       "kernel time us/step",

@@ -273,10 +273,17 @@ def gpu_kind() -> str | None:
 
 def archive(json_dir: pathlib.Path, path: pathlib.Path) -> None:
   """`json_dir` as a .tar.gz at `path`, written beside it and renamed, so a
-  run killed while writing leaves the last whole archive."""
+  run killed while writing leaves the last whole archive. The profiler's
+  raw `.xplane.pb` files stay out (their perfetto traces go in): they are
+  the bulk of a trace, and a device machine returns files of 16 MiB at
+  most."""
   tmp = path.with_name(path.name + ".tmp")
   with tarfile.open(tmp, "w:gz") as tar:
-    tar.add(json_dir, arcname=json_dir.name)
+    tar.add(
+      json_dir,
+      arcname=json_dir.name,
+      filter=lambda f: None if f.name.endswith(".xplane.pb") else f,
+    )
   tmp.replace(path)
 
 
@@ -293,8 +300,8 @@ def main(argv=None):
     "--archive",
     default=None,
     metavar="TGZ",
-    help="after each job, write the json dir (traces included) to this"
-    " .tar.gz: a run cut short keeps what finished",
+    help="after each job, write the json dir (and the perfetto traces"
+    " under it) to this .tar.gz: a run cut short keeps what finished",
   )
   p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
   p.add_argument(
@@ -304,6 +311,8 @@ def main(argv=None):
   )
   args = p.parse_args(argv)
 
+  if args.archive and not pathlib.Path(args.archive).parent.is_dir():
+    p.error(f"--archive {args.archive}: its folder does not exist")
   gpu = gpu_kind()
   json_dir = pathlib.Path(args.json_dir)
   json_dir.mkdir(parents=True, exist_ok=True)
@@ -311,6 +320,8 @@ def main(argv=None):
   if args.only:
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in todo]
+    if not names:
+      p.error(f"--only {args.only!r} names no job")
     if unknown:
       p.error(
         f"--only names {', '.join(unknown)}, not jobs on this machine"

@@ -556,39 +556,54 @@ def _span(name, ts, dur, tid, pid=1, **args):
 
 def test_trace_summary_reads_a_gpu_trace():
   # Written as jax.profiler's perfetto trace of a GPU: a host process with
-  # the jitted calls, a device process with two stream lines and a line
+  # the jitted calls, a device process with two stream lines and lines
   # derived from their kernels (which must not count twice).
+  lines = ["Stream #7", "Stream #8", "XLA Ops", "Async XLA Ops", "Launch Stats"]
   meta = [
     dict(ph="M", name="process_name", pid=1, args={"name": "/host:CPU"}),
     dict(ph="M", name="process_name", pid=2, args={"name": "/device:GPU:0"}),
-    dict(ph="M", name="thread_name", pid=2, tid=7, args={"name": "Stream #7"}),
-    dict(ph="M", name="thread_name", pid=2, tid=8, args={"name": "Stream #8"}),
-    dict(ph="M", name="thread_name", pid=2, tid=9, args={"name": "XLA Ops"}),
+  ] + [
+    dict(ph="M", name="thread_name", pid=2, tid=7 + i, args={"name": line})
+    for i, line in enumerate(lines)
   ]
-  kernels = [  # two steps
+  work = [  # two steps
     _span("k1", 0, 10, 7, pid=2, hlo_op="multiply_fusion.3"),
     _span("k2", 5, 10, 8, pid=2, hlo_op="multiply_fusion.9"),  # overlaps k1
     _span("k3", 30, 4, 7, pid=2, hlo_op="dot"),
     _span("k4", 100, 10, 7, pid=2, hlo_op="multiply_fusion.3"),
-    _span("MemcpyD2H", 120, 2, 8, pid=2),  # no hlo_op: named as it is
+    _span("MemcpyD2H", 120, 2, 8, pid=2),  # a transfer, not a kernel
     _span("k6", 130, 4, 7, pid=2, hlo_op="dot"),
+    # Kernels without an hlo_op: kinds from their names, number dropped.
+    _span("loop_add_fusion_3", 140, 2, 7, pid=2),
+    _span("loop_add_fusion_12", 141, 2, 8, pid=2),  # overlaps the one above
   ]
-  derived = [_span(e["name"], e["ts"], e["dur"], 9, pid=2) for e in kernels]
+  derived = [
+    dict(e, tid=tid) for tid in (9, 10, 11) for e in work
+  ]  # each on every derived line
   host = [
     _span("PjitFunction(ours)", -50, d, 3) for d in (30.0, 10.0, 20.0)
   ] + [_span("$python frame", -60, 500, 3)]
-  s = overhead.trace_summary(meta + kernels + derived + host, steps=2)
-  assert s["kernels_per_step"] == 3
-  assert s["kernel_us_per_step"] == (10 + 10 + 4 + 10 + 2 + 4) / 2
-  # Union: [0, 15) + [30, 34) + [100, 110) + [120, 122) + [130, 134).
-  assert s["busy_us_per_step"] == (15 + 4 + 10 + 2 + 4) / 2
+  s = overhead.trace_summary(meta + work + derived + host, 2, device=True)
+  assert s["kernels_per_step"] == 7 / 2
+  assert s["transfers_per_step"] == 1 / 2
+  assert s["kernel_us_per_step"] == (10 + 10 + 4 + 10 + 4 + 2 + 2) / 2
+  # Union: [0, 15) + [30, 34) + [100, 110) + [120, 122) + [130, 134)
+  # + [140, 143).
+  assert s["busy_us_per_step"] == (15 + 4 + 10 + 2 + 4 + 3) / 2
   assert s["dispatch_us_per_call"] == 20.0  # the median
   assert s["by_kind_us"] == {
     "multiply_fusion": 15.0,
     "dot": 4.0,
+    "loop_add_fusion": 2.0,
     "MemcpyD2H": 1.0,
   }
   assert s["lines"] == ["Stream #7", "Stream #8"]
+  # A trace that lacks what it must have is refused, naming what it has.
+  no_device = [e for e in meta if e["pid"] == 1] + host
+  with pytest.raises(ValueError, match=r"no device kernels.*'/host:CPU'"):
+    overhead.trace_summary(no_device, 2, device=True)
+  with pytest.raises(ValueError, match="no PjitFunction spans"):
+    overhead.trace_summary(meta + work, 2, device=True)
 
 
 def test_trace_summary_counts_a_cpu_conditional_through_its_kernels():
@@ -596,17 +611,33 @@ def test_trace_summary_counts_a_cpu_conditional_through_its_kernels():
   # conditional's span holds the kernels of the branch it ran.
   events = [
     _span("a", 0, 5, 1, hlo_op="fusion.1"),
-    _span("end: a", 5, 0.1, 1),
+    _span("end: a", 5, 0.1, 1),  # as XLA:CPU writes them: no hlo_op
     _span("cond", 10, 20, 1, hlo_op="conditional"),
     _span("b", 11, 8, 1, hlo_op="fusion.2"),
     _span("c", 20, 9, 1, hlo_op="add.4"),
     _span("d", 12, 3, 2, hlo_op="fusion.5"),  # the other core, at once
+    _span("PjitFunction(ours)", -9, 4, 3),
   ]
-  s = overhead.trace_summary(events, steps=1)
+  s = overhead.trace_summary(events, 1, device=False)
   assert s["kernels_per_step"] == 4  # a, b, c, d; not the conditional
   assert s["by_kind_us"] == {"add": 9, "fusion": 16}
   assert s["busy_us_per_step"] == 5 + (19 - 11) + (29 - 20)
-  assert s["dispatch_us_per_call"] is None
+
+
+def test_innermost_drops_only_spans_that_hold_another():
+  def kept(*spans):
+    events = [_span(n, ts, dur, 1) for n, ts, dur in spans]
+    return sorted(e["name"] for e in overhead._innermost(events))
+
+  assert kept(("cond", 0, 10), ("k", 2, 3)) == ["k"]
+  assert kept(("cond", 0, 10), ("k", 0, 3)) == ["k"]  # at its start
+  assert kept(("cond", 0, 10), ("k", 7, 3)) == ["k"]  # at its end
+  # Overlapping, or no longer than each other: both are kernels.
+  assert kept(("k1", 0, 10), ("k2", 5, 10)) == ["k1", "k2"]
+  assert kept(("k1", 0, 10), ("k2", 0, 10)) == ["k1", "k2"]
+  assert kept(("zero", 0, 0), ("k", 0, 10)) == ["k", "zero"]
+  # 1.1 + 2.2 > 3.3 in floats: back to back, not nested.
+  assert kept(("k1", 1.1, 2.2), ("k2", 3.3, 1)) == ["k1", "k2"]
 
 
 def test_overhead_profile_counts_the_compiled_kernels(tmp_path):
@@ -624,15 +655,18 @@ def test_overhead_profile_counts_the_compiled_kernels(tmp_path):
     assert p["steps"] == 4
     assert p["kernels_per_step"] == counted[name]["total"], name
     assert 0 < p["busy_us_per_step"] < p["wall_us_per_step"]
-    assert p["dispatch_us_per_call"] > 0
+    assert p["dispatch_us_per_call"] > 0 and p["unprofiled_us_per_step"] > 0
     assert (tmp_path / name).is_dir()  # the trace stays for a closer look
   text = overhead.profile_table({"p": prof})
   assert "| cpu, train step, batch 8, 2 steps per wait | ours |" in text
-  assert "ours over plain, us per step: " in text
-  assert "ours over skip-only, us per step: " in text
+  assert (
+    "ours / plain: unprofiled " in text
+    and "Ours over plain, us per step: " in text
+  )
+  assert "Ours over skip-only, us per step: " in text
 
 
-def test_overhead_steps_per_round_label_and_gpu_verdicts():
+def test_overhead_steps_per_round_label_and_gpu_verdicts(capsys):
   result = overhead.main(
     ["--dims", "16,32,4", "--batch", "8", "--steps", "2", "--warmup", "1"]
     + ["--steps-per-round", "3"]
@@ -654,14 +688,36 @@ def test_overhead_steps_per_round_label_and_gpu_verdicts():
     "1.050x waiting after every step, **not met**;"
     " 1.010x with 10 steps per wait, **met**"
   ) in text
-  with pytest.raises(SystemExit):
-    overhead.parse_args(["--steps-per-round", "0"])
+  for argv, message in (
+    (["--steps-per-round", "0"], "--steps-per-round must be >= 1, got 0"),
+    (["--profile", "d", "--kernels"], "--profile and --kernels"),
+    (
+      ["--profile", "d", "--profile-steps", "5", "--steps-per-round", "2"],
+      "--profile-steps 5 must be a multiple of --steps-per-round 2",
+    ),
+  ):
+    with pytest.raises(SystemExit):
+      overhead.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
-def test_suite_runs_only_the_named_jobs_in_order_and_archives(tmp_path):
-  with pytest.raises(SystemExit):  # a typo is refused, not skipped
-    suite.main(["--quick", "--only", "overhead-64,overhed-update"])
-  assert suite.gpu_kind() is None  # this machine's first device is a CPU
+def test_suite_runs_only_the_named_jobs_in_order_and_archives(
+  tmp_path, capsys, monkeypatch
+):
+  import tarfile
+
+  import jax
+
+  # Asked in a child process; this one's first device says what it must be.
+  assert (suite.gpu_kind() is None) == (jax.devices()[0].platform != "gpu")
+  monkeypatch.setattr(suite, "gpu_kind", lambda: None)  # the CPU jobs
+  for only, message in (
+    ("overhead-64,overhed-update", "--only names overhed-update, not jobs"),
+    (",", "--only ',' names no job"),
+  ):
+    with pytest.raises(SystemExit):  # a typo is refused, not skipped
+      suite.main(["--quick", "--only", only])
+    assert message in capsys.readouterr().err
   json_dir, tgz = tmp_path / "results", tmp_path / "r.tgz"
   argv = [
     "--quick",
@@ -670,33 +726,43 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(tmp_path):
     "--out",
     str(tmp_path / "B.md"),
   ]
+  with pytest.raises(SystemExit):
+    suite.main([*argv, "--archive", str(tmp_path / "no" / "r.tgz")])
+  assert "its folder does not exist" in capsys.readouterr().err
+
+  def archived():
+    with tarfile.open(tgz) as tar:
+      return sorted(tar.getnames())
+
   seen = []
 
   def run_job(name, job, where):
+    if seen:  # the first job's results were archived before this one ran
+      assert archived() == [
+        "results",
+        "results/environment.json",
+        "results/overhead-update.json",
+        "results/traces",
+      ]
     seen.append(name)
     (where / f"{name}.json").write_text(json.dumps({"ran": name}))
+    (where / "traces").mkdir(exist_ok=True)
+    (where / "traces" / "t.xplane.pb").write_bytes(b"raw")
     if name == "overhead-update":
       raise RuntimeError("overhead-update failed (exit 1)")
     return 0.0
 
-  import unittest.mock
-
-  with (
-    unittest.mock.patch.object(suite, "run_job", run_job),
-    unittest.mock.patch.object(suite, "render", lambda *a: "page"),
-  ):
-    with pytest.raises(SystemExit, match="failed: overhead-update"):
-      suite.main(
-        [*argv, "--only", "overhead-update,overhead-64", "--archive", str(tgz)]
-      )
+  monkeypatch.setattr(suite, "run_job", run_job)
+  monkeypatch.setattr(suite, "render", lambda *a: "page")
+  with pytest.raises(SystemExit, match="failed: overhead-update"):
+    suite.main(
+      [*argv, "--only", "overhead-update,overhead-64", "--archive", str(tgz)]
+    )
   assert seen == ["overhead-update", "overhead-64"]
-  import tarfile
-
-  with tarfile.open(tgz) as tar:
-    names = sorted(tar.getnames())
-  assert names == [
+  assert archived() == [  # the raw profiler files left out
     "results",
     "results/environment.json",
     "results/overhead-64.json",
     "results/overhead-update.json",
+    "results/traces",
   ]
