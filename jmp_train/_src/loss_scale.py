@@ -77,8 +77,7 @@ def _new(cls: type[T], **fields: Any) -> T:
   has already validated (`adjust`, the factory).
   """
   obj = object.__new__(cls)
-  for name, value in fields.items():
-    object.__setattr__(obj, name, value)
+  obj.__dict__.update(fields)  # what object.__setattr__ writes, at once
   return obj
 
 
@@ -92,14 +91,6 @@ def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
 
   fields = [f.name for f in dataclasses.fields(cls)]
 
-  def flatten_with_keys(ls):
-    names = leaf_names(ls)
-    children = tuple(
-      (jax.tree_util.GetAttrKey(k), getattr(ls, k)) for k in names
-    )
-    settings = tuple((k, getattr(ls, k)) for k in fields if k not in names)
-    return children, (names, settings)
-
   def flatten(ls):
     # What every jit call runs on its arguments and results: no keys.
     d = ls.__dict__
@@ -109,12 +100,16 @@ def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
       tuple((k, d[k]) for k in fields if k not in names),
     )
 
+  def flatten_with_keys(ls):
+    leaves, aux = flatten(ls)
+    keys = map(jax.tree_util.GetAttrKey, aux[0])
+    return tuple(zip(keys, leaves, strict=True)), aux
+
   def unflatten(aux, children):
     names, settings = aux
-    obj = object.__new__(cls)
-    d = obj.__dict__
-    d.update(settings)
-    d.update(zip(names, children, strict=True))
+    obj = _new(cls)  # filled here: no dict of keyword arguments to build
+    obj.__dict__.update(settings)
+    obj.__dict__.update(zip(names, children, strict=True))
     return obj
 
   jax.tree_util.register_pytree_with_keys(
