@@ -42,9 +42,7 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import sys
-import time
 
 # The shared GPT model lives with the examples.
 sys.path.insert(
@@ -57,6 +55,7 @@ import jax.numpy as jnp
 import md
 import numpy as np
 import optax
+import timing
 
 import jmp_train
 from jmp_train import train
@@ -297,19 +296,6 @@ def model_line(cfg: dict, n_params: int) -> str:
   )
 
 
-def seconds_per_step(names: list[str], run_round, args) -> dict:
-  """Median seconds per step of each step, `run_round(name)` running
-  `args.steps_per_round` of its steps and waiting for them: `args.rounds`
-  rounds, each in an order rotated by one, so drift spreads evenly."""
-  times = {name: [] for name in names}
-  for r in range(args.rounds):
-    for name in names[r % len(names) :] + names[: r % len(names)]:
-      t0 = time.perf_counter()
-      run_round(name)
-      times[name].append((time.perf_counter() - t0) / args.steps_per_round)
-  return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main_torch(args, cfg: dict) -> dict:
   """The PyTorch twin's rows (benchmarks/gpt2_torch.py), same fields, timed
   as the JAX steps are."""
@@ -330,7 +316,9 @@ def main_torch(args, cfg: dict) -> dict:
       steps[name]()
     out["sync"]()
 
-  seconds = seconds_per_step(list(steps), run_round, args)
+  seconds = timing.seconds_per_step(
+    steps, run_round, args.rounds, args.steps_per_round
+  )
   peak = peak_flops(out["device_kind"])
   return {
     "framework": f"torch {out['torch']}",
@@ -464,7 +452,9 @@ def main(argv=None):
     state[name] = jax.block_until_ready(s)
 
   names = list(steps)
-  seconds = seconds_per_step(names, run_round, args)
+  seconds = timing.seconds_per_step(
+    names, run_round, args.rounds, args.steps_per_round
+  )
   kind = jax.devices()[0].device_kind
   peak = peak_flops(kind)
   result = {

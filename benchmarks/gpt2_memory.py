@@ -24,6 +24,7 @@ sys.path.insert(
   0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 )
 
+import gpt2
 import gpt_model
 import jax
 import jax.numpy as jnp
@@ -46,10 +47,7 @@ def main(argv=None):
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  if args.tiny:
-    cfg = dict(layers=2, d_model=64, heads=4, seq_len=64, vocab=128)
-  else:
-    cfg = dict(layers=12, d_model=768, heads=12, seq_len=1024, vocab=50304)
+  cfg = gpt2.config(args.tiny)
   base = gpt_model.GPT(**cfg, tied=True, fused_attention=True)
   preset = jmp_train.get_preset(args.preset)
   model = jmp_train.linen.wrap(base, preset.policy, fp8=preset.fp8)

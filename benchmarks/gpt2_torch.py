@@ -19,7 +19,7 @@ Steps, each nanoGPT's training loop with float32 params:
 
 AdamW has jmp_train's side's settings (`optax.adamw(1e-4)`: lr 1e-4, weight
 decay 1e-4 on every param, betas 0.9/0.999, eps 1e-8). `gpt2.py` times the
-steps `build` returns as it times its own (`gpt2.seconds_per_step`).
+steps `build` returns as it times its own (`timing.seconds_per_step`).
 
 This module needs torch; jmp_train does not (the test that uses it skips
 where torch is absent).

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import md
 import numpy as np
 import optax
+import timing
 
 import jmp_train
 
@@ -232,6 +233,12 @@ def _on_gpu(r: dict) -> bool:
   return not r["device"].startswith("cpu")
 
 
+def _per_wait(r: dict) -> str:
+  """How often a run's host waited, for its label ("" after every step)."""
+  k = r.get("steps_per_round", 1)
+  return f", {k} steps per wait" if k > 1 else ""
+
+
 def _label(r: dict) -> str:
   """A row's label: what was timed, and how often the host waited."""
   label = (
@@ -239,8 +246,7 @@ def _label(r: dict) -> str:
     if r["what"].startswith("optimizer")
     else f"full step, batch {r['batch']}"
   )
-  k = r.get("steps_per_round", 1)
-  return label + (f", {k} steps per wait" if k > 1 else "")
+  return label + _per_wait(r)
 
 
 def _rows(results: dict, gpu: bool, base: str) -> list[dict]:
@@ -509,6 +515,16 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
   return count("ENTRY")
 
 
+def _subject(args) -> str:
+  """What a `--kernels` or `--profile` run measured."""
+  return "optimizer update" if args.update_only else "train step"
+
+
+def _machine() -> str:
+  """The device a `--kernels` or `--profile` run measured on."""
+  return f"{jax.devices()[0].device_kind}, {platform.machine()}"
+
+
 def kernels_main(args, steps, params, x, y) -> dict:
   """Each step's kernel count (`count_kernels` of its compiled HLO; steps
   are compiled, not run, so they share `params`)."""
@@ -519,12 +535,11 @@ def kernels_main(args, steps, params, x, y) -> dict:
     kernels[name] = {"total": sum(by_op.values()), "by_op": by_op}
     print(f"{name}: {kernels[name]['total']} kernels {by_op}")
   return {
-    "what": "kernels per "
-    + ("optimizer update" if args.update_only else "train step"),
+    "what": f"kernels per {_subject(args)}",
     "param_dtype": jnp.dtype(jax.tree.leaves(params)[0].dtype).name,
     "leaves": len(jax.tree.leaves(params)),
     "kernels": kernels,
-    "device": f"{jax.devices()[0].device_kind}, {platform.machine()}",
+    "device": _machine(),
     "jax": jax.__version__,
   }
 
@@ -580,43 +595,42 @@ def read_trace(directory) -> list[dict]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def _ns(us: float) -> int:
-  """Microseconds (a trace's float) as whole nanoseconds, so ends compare
-  exactly (1.1 + 2.2 > 3.3 in floats)."""
-  return round(us * 1000)
-
-
 def _busy_us(spans: list[tuple[int, int]]) -> float:
   """The length of the union of the [start, end) intervals (ns), in us."""
-  busy, end = 0, None
+  busy, end = 0, float("-inf")
   for a, b in sorted(spans):
-    if end is None or b > end:
-      busy += b - (a if end is None else max(a, end))
+    if b > end:
+      busy += b - max(a, end)
       end = b
   return busy / 1000
+
+
+def _interval(e: dict) -> tuple[int, int]:
+  """A span's [start, end) in whole nanoseconds, so ends compare exactly
+  (1.1 + 2.2 > 3.3 in floats)."""
+  return round(e["ts"] * 1000), round((e["ts"] + e["dur"]) * 1000)
 
 
 def _innermost(spans: list[dict]) -> list[dict]:
   """The spans that hold no other span of their line: a conditional's or a
   loop's span, which holds the kernels it ran, is not a kernel itself. A
-  span held must lie wholly inside and last a while: spans that only
-  overlap, or one of no length at another's start, are both kept."""
-  by_line: dict[tuple, list[dict]] = {}
+  span held must lie wholly inside, last a while and not be the same
+  interval: spans that only overlap or coincide, or one of no length at
+  another's start, are all kept."""
+  by_line: dict[tuple, list[tuple]] = {}
   for e in spans:
-    by_line.setdefault((e["pid"], e["tid"]), []).append(e)
+    by_line.setdefault((e["pid"], e["tid"]), []).append((_interval(e), e))
   kept = []
   for line in by_line.values():
-    line.sort(key=lambda e: (_ns(e["ts"]), -_ns(e["dur"])))
-    for i, e in enumerate(line):
-      start, end = _ns(e["ts"]), _ns(e["ts"] + e["dur"])
+    line.sort(key=lambda ie: (ie[0][0], -ie[0][1]))
+    for i, ((start, end), e) in enumerate(line):
       holds = False
-      for other in line[i + 1 :]:
-        if _ns(other["ts"]) >= end:
+      for (a, b), _ in line[i + 1 :]:
+        if a >= end:
           break
-        if _ns(other["dur"]) > 0 and _ns(other["ts"] + other["dur"]) <= end:
-          holds = _ns(other["ts"]) > start or _ns(other["dur"]) < end - start
-          if holds:
-            break
+        if a < b <= end and (a, b) != (start, end):
+          holds = True
+          break
       if not holds:
         kept.append(e)
   return kept
@@ -675,15 +689,13 @@ def trace_summary(events: list[dict], steps: int, device: bool) -> dict:
     raise ValueError(f"the trace has no {missing}; it has {seen}")
   by_kind: dict[str, float] = {}
   for e in work:
-    by_kind[_kind(e)] = by_kind.get(_kind(e), 0.0) + e["dur"] / steps
+    kind = _kind(e)
+    by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"] / steps
   return {
     "kernels_per_step": len(kernels) / steps,
     "transfers_per_step": (len(work) - len(kernels)) / steps,
     "kernel_us_per_step": sum(e["dur"] for e in kernels) / steps,
-    "busy_us_per_step": _busy_us(
-      [(_ns(e["ts"]), _ns(e["ts"] + e["dur"])) for e in work]
-    )
-    / steps,
+    "busy_us_per_step": _busy_us([_interval(e) for e in work]) / steps,
     "dispatch_us_per_call": statistics.median(dispatch),
     "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
     "lines": sorted(
@@ -730,13 +742,12 @@ def profile_main(args, steps, make_params, x, y) -> dict:
       flush=True,
     )
   return {
-    "what": "profile of the "
-    + ("optimizer update" if args.update_only else "train step"),
+    "what": f"profile of the {_subject(args)}",
     "batch": args.batch,
     "steps_per_round": args.steps_per_round,
     "profiles": profiles,
     "trace_dir": str(root),
-    "device": f"{jax.devices()[0].device_kind}, {platform.machine()}",
+    "device": _machine(),
     "jax": jax.__version__,
   }
 
@@ -780,8 +791,7 @@ def profile_table(results: dict) -> str:
     label = f"{r['device'].split(',')[0]}, {r['what'].split(' of the ')[1]}"
     if r["what"].endswith("train step"):
       label += f", batch {r['batch']}"
-    if r["steps_per_round"] > 1:
-      label += f", {r['steps_per_round']} steps per wait"
+    label += _per_wait(r)
     for name, p in prof.items():
       rows.append(
         [
@@ -819,62 +829,28 @@ def profile_table(results: dict) -> str:
   return "\n\n".join([table, *notes])
 
 
-def main(argv=None):
-  args = parse_args(argv)
-  dims = [int(d) for d in args.dims.split(",")]
-  key = jax.random.key(0)
-  n_params = sum(p.size for p in jax.tree.leaves(init_mlp(dims, key)))
-  rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((args.batch, dims[0])), jnp.float32)
-  y = jnp.asarray(rng.integers(0, dims[-1], args.batch))
-
-  if args.bf16_params:
-    steps, base = make_master_steps(args.update_only), "hand-masters"
-  else:
-    steps, base = make_steps(args.update_only, args.study), "plain"
-  dtype = jnp.bfloat16 if args.bf16_params else jnp.float32
-  if args.profile:
-    result = profile_main(
-      args,
-      steps,
-      lambda: jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key)),
-      x,
-      y,
-    )
-    print(profile_table({"p": result}))
-    if args.json:
-      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
-  if args.kernels:
-    params = jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key))
-    result = kernels_main(args, steps, params, x, y)
-    print(kernels_table({"k": result}))
-    if args.json:
-      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+def timing_main(args, steps, base, make_params, x, y) -> dict:
+  """Each step warmed up, then timed side by side (`timing.seconds_per_step`:
+  `args.steps` rounds of `args.steps_per_round` steps, rotated order)."""
   state = {}
   for name, (init, step) in steps.items():
-    params = jax.tree.map(lambda p: p.astype(dtype), init_mlp(dims, key))
+    params = make_params()
     state[name] = (params, init(params))
     for _ in range(args.warmup):
       state[name] = step(*state[name], x, y)
     jax.block_until_ready(state[name])
 
-  times = {name: [] for name in steps}
-  names = list(steps)
-  for i in range(args.steps):
-    k = i % len(names)
-    order = names[k:] + names[:k]  # rotate to spread drift evenly
-    for name in order:
-      t0 = time.perf_counter()
-      state[name] = run_round(steps[name][1], state[name], x, y, args)
-      times[name].append((time.perf_counter() - t0) / args.steps_per_round)
+  def one_round(name):
+    state[name] = run_round(steps[name][1], state[name], x, y, args)
 
-  median = {name: statistics.median(t) for name, t in times.items()}
+  median = timing.seconds_per_step(
+    steps, one_round, args.steps, args.steps_per_round
+  )
+  shapes = jax.eval_shape(make_params)  # counted, not allocated again
   result = {
     "what": "optimizer update only" if args.update_only else "full train step",
-    "params": int(n_params),
-    "param_dtype": jnp.dtype(dtype).name,
+    "params": sum(int(p.size) for p in jax.tree.leaves(shapes)),
+    "param_dtype": jnp.dtype(jax.tree.leaves(shapes)[0].dtype).name,
     "batch": args.batch,
     "rounds": args.steps,
     "steps_per_round": args.steps_per_round,
@@ -892,13 +868,37 @@ def main(argv=None):
   }
   print(json.dumps(result, indent=1))
   print(f"\n| step | median ms | ratio vs {base} |\n|---|---|---|")
-  for name in names:
-    print(
-      f"| {name} | {median[name] * 1e3:.2f} | {median[name] / median[base]:.3f}x |"
-    )
+  for name, sec in median.items():
+    print(f"| {name} | {sec * 1e3:.2f} | {sec / median[base]:.3f}x |")
+  return result
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  dims = [int(d) for d in args.dims.split(",")]
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((args.batch, dims[0])), jnp.float32)
+  y = jnp.asarray(rng.integers(0, dims[-1], args.batch))
+  if args.bf16_params:
+    steps, base = make_master_steps(args.update_only), "hand-masters"
+  else:
+    steps, base = make_steps(args.update_only, args.study), "plain"
+  dtype = jnp.bfloat16 if args.bf16_params else jnp.float32
+
+  def make_params():  # a fresh tree each time: the steps donate theirs
+    mlp = init_mlp(dims, jax.random.key(0))
+    return jax.tree.map(lambda p: p.astype(dtype), mlp)
+
+  if args.profile:
+    result = profile_main(args, steps, make_params, x, y)
+    print(profile_table({"p": result}))
+  elif args.kernels:
+    result = kernels_main(args, steps, make_params(), x, y)
+    print(kernels_table({"k": result}))
+  else:
+    result = timing_main(args, steps, base, make_params, x, y)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
   return result
 
 
