@@ -60,6 +60,8 @@ import timing
 import jmp_train
 from jmp_train import train
 
+# The PyTorch twin's autocast dtypes (gpt2_torch.PRECISIONS, which needs torch).
+TORCH_PRECISIONS = ("bf16", "fp16")
 # Dense bf16 peak FLOP/s (no sparsity), from the vendors' data sheets.
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -109,7 +111,20 @@ def parse_args(argv=None):
     "--no-compile", action="store_true", help="--torch without torch.compile"
   )
   p.add_argument("--json", default=None)
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  for flag in ("presets", "autocast"):  # before any work: GPU time is scarce
+    for name in filter(None, getattr(args, flag).split(",")):
+      try:
+        jmp_train.get_preset(name)
+      except ValueError as e:
+        p.error(f"--{flag}: {e}")
+  for name in args.torch_precisions.split(","):
+    if name not in TORCH_PRECISIONS:
+      p.error(
+        f"--torch-precisions: unknown precision {name!r}; accepted:"
+        f" {', '.join(TORCH_PRECISIONS)}"
+      )
+  return args
 
 
 def peak_flops(kind: str) -> float | None:

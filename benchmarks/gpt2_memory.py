@@ -39,7 +39,7 @@ GIB = 2**30
 PARTS = ("params", "gradients", "master_weights", "optimizer_state")
 
 
-def main(argv=None):
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="bf16-mixed")
   p.add_argument("--batch", type=int, default=16)
@@ -47,6 +47,15 @@ def main(argv=None):
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
+  try:  # before any work: a GPU run is too scarce to fail late
+    jmp_train.get_preset(args.preset)
+  except ValueError as e:
+    p.error(f"--preset: {e}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
   cfg = gpt2.config(args.tiny)
   base = gpt_model.GPT(**cfg, tied=True, fused_attention=True)
   preset = jmp_train.get_preset(args.preset)

@@ -41,7 +41,7 @@ import numpy as np
 GIB = 2**30
 
 
-def main(argv=None):
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq", type=int, default=1024)
@@ -50,7 +50,11 @@ def main(argv=None):
   p.add_argument("--chunks", default="1024,2048,4096,8192")
   p.add_argument("--rounds", type=int, default=10)
   p.add_argument("--json", default=None)
-  args = p.parse_args(argv)
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   rows = args.batch * args.seq
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(rows, args.d_model)), jnp.bfloat16)

@@ -76,6 +76,15 @@ GPU_JOBS = {
   # cuDNN's LayerNorm kernels in place of XLA's fusions (item 2's passes).
   "gpt2-cudnn-ln": "gpt2.py --no-plain --autocast '' --presets bf16-mixed"
   " --xla-flags=--xla_gpu_enable_cudnn_layer_norm=true",
+  # cuBLAS for every matmul (XLA's Triton GEMMs off).
+  "gpt2-cublas": "gpt2.py --no-plain --autocast '' --presets bf16-mixed"
+  " --xla-flags=--xla_gpu_enable_triton_gemm=false",
+  # The fused loss with both flags: the candidate fastest run, ready for a
+  # session that has no time to combine what the runs above find.
+  "gpt2-fused-flags": "gpt2.py --loss fused --no-plain --autocast ''"
+  " --presets bf16-mixed,fp16-mixed"
+  " --xla-flags='--xla_gpu_enable_cudnn_layer_norm=true"
+  " --xla_gpu_enable_triton_gemm=false'",
   "gpt2-torch": "gpt2.py --torch",
   "loss-head-gpu": "loss_head.py",
   "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",
@@ -156,9 +165,14 @@ def jobs(quick: bool, gpu: bool) -> dict[str, list[str]]:
     (True, False): CPU_QUICK,
     (True, True): GPU_QUICK,
   }[quick, gpu]
+  return jobs_of(chosen)
+
+
+def jobs_of(table: dict[str, str]) -> dict[str, list[str]]:
+  """A job table's lines as each script's path and arguments."""
   return {
     name: [f"benchmarks/{line.split()[0]}", *shlex.split(line)[1:]]
-    for name, line in chosen.items()
+    for name, line in table.items()
   }
 
 

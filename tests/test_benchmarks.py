@@ -59,6 +59,32 @@ def test_every_marker_names_a_table_of_its_script():
     assert callable(getattr(importlib.import_module(module), function))
 
 
+def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
+  # A lent GPU runs the GPU jobs once; a typo in a line, a preset name or a
+  # choice must fail here, not after minutes of that run.
+  tables = {
+    True: (suite.GPU_JOBS, suite.GPU_QUICK),
+    False: (suite.CPU_JOBS, suite.CPU_QUICK),
+  }
+  for on_gpu, table in ((g, t) for g, ts in tables.items() for t in ts):
+    for name, (path, *argv) in suite.jobs_of(table).items():
+      module = importlib.import_module(pathlib.Path(path).stem)
+      if on_gpu:
+        assert hasattr(module, "parse_args"), (name, path)
+      if hasattr(module, "parse_args"):
+        module.parse_args(argv)  # exits (fails the test) on a bad line
+  # The checks themselves refuse what they should.
+  for parse, argv, message in (
+    (gpt2.parse_args, ["--presets", "bf16-mixd"], "--presets: Unknown preset"),
+    (gpt2.parse_args, ["--autocast", "fp17"], "--autocast: Unknown preset"),
+    (gpt2.parse_args, ["--torch-precisions", "bf16,f16"], "'f16'; accepted"),
+    (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "--preset: Unknown"),
+  ):
+    with pytest.raises(SystemExit):
+      parse(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_tables_without_results_say_not_measured():
   for module, function in suite.TABLE.findall(suite.PAGE.read_text()):
     text = getattr(importlib.import_module(module), function)({})

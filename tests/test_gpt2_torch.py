@@ -88,6 +88,8 @@ def test_the_torch_benchmark_runs_and_counts_our_params(tmp_path):
     ]
   )
   assert [r["step"] for r in result["rows"]] == ["torch bf16", "torch fp16"]
+  # gpt2.py checks --torch-precisions without importing torch.
+  assert set(gpt2.TORCH_PRECISIONS) == set(gpt2_torch.PRECISIONS)
   assert all(r["tokens_per_s"] > 0 for r in result["rows"])
   # Two AdamW steps from the same init: the loss is near log(vocab) and
   # finite under both autocasts (fp16 through GradScaler).
