@@ -1,6 +1,6 @@
 """Runs every benchmark and writes BENCHMARKS.md from their results.
 
-  python benchmarks/suite.py            # all (about 20 min on 2 cores)
+  python benchmarks/suite.py            # all (89 min on the 2 cores of 2026-11-25)
   python benchmarks/suite.py --quick    # tiny configs: checks the pipeline
   python benchmarks/suite.py --render   # rewrite the page from saved JSON
   python benchmarks/suite.py --only overhead-64,compile
