@@ -112,12 +112,19 @@ def parse_args(argv=None):
   )
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  for flag in ("presets", "autocast"):  # before any work: GPU time is scarce
+  # Every check before any work: a lent GPU's run is too scarce to fail late.
+  if "" in args.presets.split(","):
+    p.error(f"--presets: {args.presets!r} names an empty preset")
+  for flag in ("presets", "autocast"):
     for name in filter(None, getattr(args, flag).split(",")):
       try:
         jmp_train.get_preset(name)
       except ValueError as e:
         p.error(f"--{flag}: {e}")
+  if args.loss == "fused" and args.autocast:
+    # Under autocast the fused loss's float32 matmuls trace as float32
+    # operands and run in the compute dtype: not the fused loss's numerics.
+    p.error("--loss fused runs without autocast rows: add --autocast ''")
   for name in args.torch_precisions.split(","):
     if name not in TORCH_PRECISIONS:
       p.error(
@@ -356,12 +363,6 @@ def main(argv=None):
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags
     ).strip()
-  if args.loss == "fused" and args.autocast:
-    # Under autocast the fused loss's float32 matmuls trace as float32
-    # operands and run in the compute dtype: not the fused loss's numerics.
-    raise SystemExit(
-      "gpt2.py: --loss fused runs without autocast rows: add --autocast ''"
-    )
   cfg = config(args.tiny)
   if args.torch:
     result = main_torch(args, cfg)

@@ -41,13 +41,31 @@ import numpy as np
 GIB = 2**30
 
 
+def _chunks(text: str) -> list[int]:
+  """`--chunks`: positive ints, comma-separated."""
+  try:
+    chunks = [int(c) for c in text.split(",")]
+  except ValueError:
+    chunks = []
+  if not chunks or min(chunks) < 1:
+    raise argparse.ArgumentTypeError(
+      f"{text!r} is not a comma-separated list of positive ints"
+    )
+  return chunks
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq", type=int, default=1024)
   p.add_argument("--d-model", type=int, default=768)
   p.add_argument("--vocab", type=int, default=50304)
-  p.add_argument("--chunks", default="1024,2048,4096,8192")
+  p.add_argument(
+    "--chunks",
+    type=_chunks,
+    default="1024,2048,4096,8192",
+    help="comma-separated rows per chunk of the fused loss",
+  )
   p.add_argument("--rounds", type=int, default=10)
   p.add_argument("--json", default=None)
   return p.parse_args(argv)
@@ -67,7 +85,7 @@ def main(argv=None):
     return gpt_model.cross_entropy(jnp.dot(x, table.T), targets)
 
   variants = {"logits": logits_loss}
-  for c in map(int, args.chunks.split(",")):
+  for c in args.chunks:
     variants[f"fused (chunk {c})"] = lambda x, t, y, c=c: (
       gpt_model.fused_cross_entropy(x, t, y, c)
     )

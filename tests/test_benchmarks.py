@@ -78,11 +78,45 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (gpt2.parse_args, ["--presets", "bf16-mixd"], "--presets: Unknown preset"),
     (gpt2.parse_args, ["--autocast", "fp17"], "--autocast: Unknown preset"),
     (gpt2.parse_args, ["--torch-precisions", "bf16,f16"], "'f16'; accepted"),
+    (gpt2.parse_args, ["--presets", "bf16-mixed,"], "names an empty preset"),
     (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "--preset: Unknown"),
+    (loss_head.parse_args, ["--chunks", "64,0"], "'64,0' is not a comma"),
+    (loss_head.parse_args, ["--chunks", "64,x"], "'64,x' is not a comma"),
   ):
     with pytest.raises(SystemExit):
       parse(argv)
     assert message in capsys.readouterr().err
+
+
+def test_every_gpu_job_xla_flag_is_one_xla_knows():
+  # A misspelled XLA flag aborts the backend's start on the GPU; XLA parses
+  # its GPU options on CPU too, so the same start here finds the typo.
+  import os
+  import subprocess
+
+  flags = {
+    gpt2.parse_args(argv).xla_flags
+    for path, *argv in suite.jobs_of(suite.GPU_JOBS).values()
+    if path.endswith("/gpt2.py")
+  } - {""}
+  assert len(flags) >= 3, flags  # cuDNN LayerNorm, no Triton GEMMs, both
+
+  def starts(xla_flags):
+    env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+      [sys.executable, "-c", "import jax; jax.devices()"],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+    return run.returncode == 0, run.stderr
+
+  for xla_flags in sorted(flags):
+    ok, err = starts(xla_flags)
+    assert ok, (xla_flags, err[-500:])
+  ok, err = starts("--xla_gpu_enable_cudnn_layer_nrm=true")  # the check bites
+  assert not ok and "Unknown flag" in err
 
 
 def test_tables_without_results_say_not_measured():
