@@ -4,8 +4,10 @@ Two measurements, side by side in one process:
 - quality: `examples/gpt.py` trained twice on the same batches, once with
   `linen.wrap` and once with `--autocast`; the final validation losses;
 - cost: the example's loss and gradient (`jax.jit(jax.value_and_grad)`),
-  its trace (`lower`) and `compile` times and its step time, both ways,
-  timed in alternating rounds (the median of each).
+  its trace (`lower`, the median of `--rounds` traces from stack depths
+  spread as `timing.at_stack_depth` spreads them) and `compile` times and
+  its step time, both ways, the step timed in alternating rounds (the
+  median).
 
   python benchmarks/autocast.py --steps 400
   python benchmarks/autocast.py --steps 6 --layers 1 --d-model 32   # smoke
@@ -27,6 +29,7 @@ import gpt
 import jax
 import jax.numpy as jnp
 import md
+import timing
 from gpt_model import GPT, cross_entropy
 
 import jmp_train
@@ -35,7 +38,8 @@ GOAL = 0.01  # |val loss (autocast) - val loss (linen.wrap)|
 
 
 def _steps(args):
-  """The loss-and-gradient function of each mode, and its arguments."""
+  """A function making each mode's loss-and-gradient function anew (so that
+  no trace cache answers), and their arguments."""
   model = GPT(args.layers, args.d_model, args.heads, args.seq_len)
   tokens = jnp.zeros((args.batch_size, args.seq_len + 1), jnp.int32)
   params = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
@@ -53,25 +57,37 @@ def _steps(args):
 
     return jax.value_and_grad(loss)
 
-  return {k: grad_fn(v) for k, v in modes.items()}, (params, tokens)
+  return lambda: {k: grad_fn(v) for k, v in modes.items()}, (params, tokens)
 
 
 def cost(args) -> dict:
+  make_fns, fn_args = _steps(args)
+  names = list(make_fns())
+  # One trace and compile each first, not counted: the first in a process
+  # also pay for JAX's, Flax's and XLA's own warm-up. Then `--rounds` traces
+  # from as many stack depths (`timing.at_stack_depth`), the median, and one
+  # compile each.
+  for fn in make_fns().values():
+    jax.jit(fn).lower(*fn_args).compile()
+  traces = {name: [] for name in names}
+  for r in range(args.rounds):
+    for name, fn in make_fns().items():
+      start = time.perf_counter()
+      timing.at_stack_depth(
+        lambda fn=fn: jax.jit(fn).lower(*fn_args), r, args.rounds
+      )
+      traces[name].append(time.perf_counter() - start)
   out, compiled = {}, {}
-  # Twice each, the second counted: the first trace in a process also pays
-  # for JAX's and Flax's own warm-up. New functions each time, so that
-  # neither JAX's trace cache nor its compile cache answers.
-  for _ in range(2):
-    fns, fn_args = _steps(args)
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      lowered = jax.jit(fn).lower(*fn_args)
-      trace = time.perf_counter() - start
-      start = time.perf_counter()
-      compiled[name] = lowered.compile()
-      out[name] = {"trace_s": trace, "compile_s": time.perf_counter() - start}
-      jax.block_until_ready(compiled[name](*fn_args))
-  times = {name: [] for name in fns}
+  for name, fn in make_fns().items():
+    lowered = jax.jit(fn).lower(*fn_args)
+    start = time.perf_counter()
+    compiled[name] = lowered.compile()
+    out[name] = {
+      "trace_s": statistics.median(traces[name]),
+      "compile_s": time.perf_counter() - start,
+    }
+    jax.block_until_ready(compiled[name](*fn_args))
+  times = {name: [] for name in names}
   for _ in range(args.rounds):
     for name, step in compiled.items():
       start = time.perf_counter()
@@ -79,7 +95,7 @@ def cost(args) -> dict:
         result = step(*fn_args)
       jax.block_until_ready(result)
       times[name].append((time.perf_counter() - start) / args.calls)
-  for name in fns:
+  for name in names:
     out[name]["step_ms"] = 1e3 * statistics.median(times[name])
   return out
 

@@ -16,12 +16,17 @@ unscale, `all_finite`, and `lax.cond` around the update):
 
 Each is traced, lowered and compiled from a fresh function (no cache hit),
 `--rounds` times in rotated order; the figure is the median. Tracing and
-lowering (Python) and XLA compilation are reported separately.
+lowering (Python) and XLA compilation are reported separately. Round r
+traces from the r-th of `--rounds` stack depths spread over one of CPython's
+frame-stack chunks (`timing.at_stack_depth`): from a single depth, trace time
+swings by up to 40% with where the chunk boundaries fall.
 
   python benchmarks/compile_time.py [--layers 4 --d-model 256] [--json out.json]
+  python benchmarks/compile_time.py --only hand-fp32,ours-fp32 --sweep-depths 16
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
@@ -39,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import md
 import optax
+import timing
 
 import jmp_train
 
@@ -54,8 +60,19 @@ def parse_args(argv=None):
   p.add_argument(
     "--only", default=None, help="comma-separated steps (default: all seven)"
   )
+  p.add_argument(
+    "--sweep-depths",
+    type=int,
+    default=0,
+    metavar="N",
+    help="instead: trace and lower each step from N stack depths spread"
+    " over one frame-stack chunk, and print the seconds at each",
+  )
   p.add_argument("--json", default=None)
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.sweep_depths < 0:
+    p.error(f"--sweep-depths must be 0 or more, got {args.sweep_depths}")
+  return args
 
 
 def _loss(model, params, tokens):
@@ -187,6 +204,42 @@ def table(results: dict) -> str:
   )
 
 
+def _lower(shape: tuple, tokens):
+  """A fresh step of `shape` (model, tx, make, params, state), traced and
+  lowered."""
+  model, tx, make, params, state = shape
+  return make(model, tx).lower(params, state, tokens)
+
+
+def sweep_depths(shapes: dict, tokens, count: int) -> dict:
+  """Seconds to trace and lower each step (nothing compiled) from each of
+  `count` stack depths (`timing.at_stack_depth`), best of 3 at each, printed
+  as a table and returned as {step: [seconds at depth k]}."""
+  seconds = {name: [] for name in shapes}
+  for k in range(count):
+    for name, shape in shapes.items():
+      best = float("inf")
+      for _ in range(3):
+        t0 = time.perf_counter()
+        timing.at_stack_depth(
+          functools.partial(_lower, shape, tokens), k, count
+        )
+        best = min(best, time.perf_counter() - t0)
+      seconds[name].append(best)
+  frames = timing.CHUNK_SLOTS // timing.PAD_SLOTS
+  rows = [
+    [f"{k * frames // count * timing.PAD_SLOTS}"]
+    + [f"{seconds[name][k]:.3f}" for name in shapes]
+    for k in range(count)
+  ]
+  rows += [
+    [what] + [f"{f(seconds[name]):.3f}" for name in shapes]
+    for what, f in (("min", min), ("median", statistics.median), ("max", max))
+  ]
+  print(md.table(["extra stack slots", *shapes], rows))
+  return seconds
+
+
 def main(argv=None):
   args = parse_args(argv)
   tokens = jnp.zeros((args.batch, args.seq + 1), jnp.int32)
@@ -203,14 +256,17 @@ def main(argv=None):
       state = (state, scaler)
     shapes[name] = (model, tx, make, params, state)
 
+  if args.sweep_depths:
+    return sweep_depths(shapes, tokens, args.sweep_depths)
   trace, compile_ = {n: [] for n in shapes}, {n: [] for n in shapes}
   names = list(shapes)
   for r in range(args.rounds):
     order = names[r % len(names) :] + names[: r % len(names)]
     for name in order:
-      model, tx, make, params, state = shapes[name]
       t0 = time.perf_counter()
-      lowered = make(model, tx).lower(params, state, tokens)
+      lowered = timing.at_stack_depth(
+        functools.partial(_lower, shapes[name], tokens), r, args.rounds
+      )
       t1 = time.perf_counter()
       lowered.compile()
       t2 = time.perf_counter()

@@ -1,6 +1,7 @@
 """The benchmarks run on tiny configs, and BENCHMARKS.md is the suite's output."""
 
 import importlib
+import inspect
 import json
 import pathlib
 import re
@@ -23,6 +24,7 @@ import lean_state
 import loss_head
 import overhead
 import suite
+import timing
 import zero1
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -354,6 +356,45 @@ def test_compile_time_benchmark_runs_and_renders(tmp_path):
   saved = json.loads((tmp_path / "c.json").read_text())
   section = compile_time.table({"compile": saved})
   assert "| ours-fp16 |" in section and "Goal: at most 1.2x" in section
+
+
+def test_compile_time_sweep_traces_each_step_at_each_depth(capsys):
+  seconds = compile_time.main(
+    [
+      *("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8"),
+      *("--batch", "2", "--only", "plain,ours-fp32", "--sweep-depths", "2"),
+    ]
+  )
+  assert list(seconds) == ["plain", "ours-fp32"]
+  assert all(len(s) == 2 and min(s) > 0 for s in seconds.values())
+  printed = capsys.readouterr().out
+  assert "| extra stack slots | plain | ours-fp32 |" in printed
+  assert f"| {8 * timing.PAD_SLOTS} |" in printed  # depth 1 of 2: half a chunk
+  with pytest.raises(SystemExit):
+    compile_time.parse_args(["--sweep-depths", "-1"])
+
+
+def test_stack_depths_spread_over_one_frame_stack_chunk():
+  """`at_stack_depth` calls from `count` depths spread evenly over one
+  chunk's worth of padding frames, the k-th k/count of the way."""
+
+  def depth():
+    return len(inspect.stack(0))
+
+  count = 5
+  depths = []
+  for k in range(count + 1):  # k = count wraps to the first depth
+    depths.append(timing.at_stack_depth(depth, k, count))
+  frames = timing.CHUNK_SLOTS // timing.PAD_SLOTS
+  assert [d - depths[0] for d in depths] == [
+    k * frames // count for k in range(count)
+  ] + [0]
+  # A frame holds its local names, its value stack and a few fixed slots
+  # (7 in CPython 3.11): the padding frame is as large as PAD_SLOTS says.
+  code = timing._pad.__code__
+  slots = code.co_nlocals + code.co_stacksize
+  assert timing.PAD_SLOTS - 16 <= slots <= timing.PAD_SLOTS
+  assert timing.at_stack_depth(lambda: "value", 3, count) == "value"
 
 
 def test_gpt2_benchmark_tiny_runs(capsys):
