@@ -4,10 +4,9 @@ Two measurements, side by side in one process:
 - quality: `examples/gpt.py` trained twice on the same batches, once with
   `linen.wrap` and once with `--autocast`; the final validation losses;
 - cost: the example's loss and gradient (`jax.jit(jax.value_and_grad)`),
-  its trace (`lower`, the median of `--rounds` traces from stack depths
-  spread as `timing.at_stack_depth` spreads them) and `compile` times and
-  its step time, both ways, the step timed in alternating rounds (the
-  median).
+  its trace (`lower`: the median of traces from `--depths` stack depths,
+  `timing.seconds_by_depth`) and `compile` times and its step time, both
+  ways, the step timed in alternating rounds (the median).
 
   python benchmarks/autocast.py --steps 400
   python benchmarks/autocast.py --steps 6 --layers 1 --d-model 32   # smoke
@@ -64,19 +63,13 @@ def cost(args) -> dict:
   make_fns, fn_args = _steps(args)
   names = list(make_fns())
   # One trace and compile each first, not counted: the first in a process
-  # also pay for JAX's, Flax's and XLA's own warm-up. Then `--rounds` traces
-  # from as many stack depths (`timing.at_stack_depth`), the median, and one
-  # compile each.
+  # also pay for JAX's, Flax's and XLA's own warm-up. Then the traces from
+  # `--depths` stack depths (`timing.seconds_by_depth`), and one compile each.
   for fn in make_fns().values():
     jax.jit(fn).lower(*fn_args).compile()
-  traces = {name: [] for name in names}
-  for r in range(args.rounds):
-    for name, fn in make_fns().items():
-      start = time.perf_counter()
-      timing.at_stack_depth(
-        lambda fn=fn: jax.jit(fn).lower(*fn_args), r, args.rounds
-      )
-      traces[name].append(time.perf_counter() - start)
+  traces = timing.seconds_by_depth(
+    names, lambda name: jax.jit(make_fns()[name]).lower(*fn_args), args.depths
+  )
   out, compiled = {}, {}
   for name, fn in make_fns().items():
     lowered = jax.jit(fn).lower(*fn_args)
@@ -84,6 +77,7 @@ def cost(args) -> dict:
     compiled[name] = lowered.compile()
     out[name] = {
       "trace_s": statistics.median(traces[name]),
+      "trace_range_s": [min(traces[name]), max(traces[name])],
       "compile_s": time.perf_counter() - start,
     }
     jax.block_until_ready(compiled[name](*fn_args))
@@ -116,8 +110,16 @@ def main(argv=None):
   p.add_argument("--preset", default="bf16-mixed")
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--calls", type=int, default=10)
+  p.add_argument(
+    "--depths",
+    type=int,
+    default=timing.DEPTHS,
+    help=f"stack depths to trace from, 1 to {timing.DEPTHS}",
+  )
   p.add_argument("--json", default=None)
   args, example_args = p.parse_known_args(argv)
+  if not 1 <= args.depths <= timing.DEPTHS:
+    p.error(f"--depths must be 1 to {timing.DEPTHS}, got {args.depths}")
   config = gpt.parse_args(example_args)
   for k in ("layers", "d_model", "heads", "seq_len", "batch_size"):
     setattr(args, k, getattr(config, k))

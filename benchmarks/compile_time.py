@@ -14,19 +14,17 @@ unscale, `all_finite`, and `lax.cond` around the update):
 - hand-fp16:      params cast to float16, dynamic loss scaling by hand.
 - ours-fp16:      the fp16-mixed preset.
 
-Each is traced, lowered and compiled from a fresh function (no cache hit),
-`--rounds` times in rotated order; the figure is the median. Tracing and
-lowering (Python) and XLA compilation are reported separately. Round r
-traces from the r-th of `--rounds` stack depths spread over one of CPython's
-frame-stack chunks (`timing.at_stack_depth`): from a single depth, trace time
-swings by up to 40% with where the chunk boundaries fall.
+Each is traced and lowered from a fresh function (no cache hit) from
+`--depths` Python stack depths spread over one of CPython's frame-stack
+chunks (`timing.seconds_by_depth`: from a single depth, trace time swings by
+tens of percent with where the chunk boundaries fall), and compiled `--rounds`
+times in rotated order; the figures are the medians, tracing and lowering
+(Python) and XLA compilation reported separately.
 
   python benchmarks/compile_time.py [--layers 4 --d-model 256] [--json out.json]
-  python benchmarks/compile_time.py --only hand-fp32,ours-fp32 --sweep-depths 16
 """
 
 import argparse
-import functools
 import json
 import pathlib
 import platform
@@ -61,17 +59,16 @@ def parse_args(argv=None):
     "--only", default=None, help="comma-separated steps (default: all seven)"
   )
   p.add_argument(
-    "--sweep-depths",
+    "--depths",
     type=int,
-    default=0,
-    metavar="N",
-    help="instead: trace and lower each step from N stack depths spread"
-    " over one frame-stack chunk, and print the seconds at each",
+    default=timing.DEPTHS,
+    help=f"stack depths to trace from, 1 to {timing.DEPTHS}"
+    f" (default {timing.DEPTHS}: one per padding frame in a chunk)",
   )
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  if args.sweep_depths < 0:
-    p.error(f"--sweep-depths must be 0 or more, got {args.sweep_depths}")
+  if not 1 <= args.depths <= timing.DEPTHS:
+    p.error(f"--depths must be 1 to {timing.DEPTHS}, got {args.depths}")
   return args
 
 
@@ -181,8 +178,9 @@ def table(results: dict) -> str:
   worst_plain = max(x["ratio_vs_plain"] for x in c["rows"])
   return "\n".join(
     [
-      f"{c['model']}, AdamW, on {c['device'].split(',')[0]}; median of"
-      f" {c['rounds']} rounds in rotated order.",
+      f"{c['model']}, AdamW, on {c['device'].split(',')[0]}; trace and"
+      f" lower: the median over {c['depths']} stack depths; compile: the"
+      f" median of {c['rounds']} rounds in rotated order.",
       "",
       md.table(
         [
@@ -204,40 +202,49 @@ def table(results: dict) -> str:
   )
 
 
+def depth_table(results: dict) -> str:
+  """Trace and lower times over the stack depths they were taken from, and
+  each wrapped step's ratio to its twin at the same depth."""
+  if not results:
+    return md.not_measured("benchmarks/compile_time.py")
+  (c,) = results.values()
+  by_step = {x["step"]: x["trace_lower_by_depth_s"] for x in c["rows"]}
+  rows = []
+  for step, seconds in by_step.items():
+    twin = by_step.get(step.replace("ours-", "hand-"))
+    ratios = (
+      [o / h for o, h in zip(seconds, twin, strict=True)]
+      if step.startswith("ours-") and twin
+      else None
+    )
+    rows.append(
+      [
+        step,
+        f"{min(seconds):.3f}",
+        f"{statistics.median(seconds):.3f}",
+        f"{max(seconds):.3f}",
+        f"{md.ratio(min(ratios))} to {md.ratio(max(ratios))}" if ratios else "",
+      ]
+    )
+  return "\n".join(
+    [
+      f"Trace and lower seconds from {c['depths']} stack depths spread evenly"
+      f" over one of CPython's {timing.CHUNK_SLOTS}-slot frame-stack chunks"
+      " (`timing.seconds_by_depth`).",
+      "",
+      md.table(
+        ["step", "min s", "median s", "max s", "ours / twin, same depth"],
+        rows,
+      ),
+    ]
+  )
+
+
 def _lower(shape: tuple, tokens):
   """A fresh step of `shape` (model, tx, make, params, state), traced and
   lowered."""
   model, tx, make, params, state = shape
   return make(model, tx).lower(params, state, tokens)
-
-
-def sweep_depths(shapes: dict, tokens, count: int) -> dict:
-  """Seconds to trace and lower each step (nothing compiled) from each of
-  `count` stack depths (`timing.at_stack_depth`), best of 3 at each, printed
-  as a table and returned as {step: [seconds at depth k]}."""
-  seconds = {name: [] for name in shapes}
-  for k in range(count):
-    for name, shape in shapes.items():
-      best = float("inf")
-      for _ in range(3):
-        t0 = time.perf_counter()
-        timing.at_stack_depth(
-          functools.partial(_lower, shape, tokens), k, count
-        )
-        best = min(best, time.perf_counter() - t0)
-      seconds[name].append(best)
-  frames = timing.CHUNK_SLOTS // timing.PAD_SLOTS
-  rows = [
-    [f"{k * frames // count * timing.PAD_SLOTS}"]
-    + [f"{seconds[name][k]:.3f}" for name in shapes]
-    for k in range(count)
-  ]
-  rows += [
-    [what] + [f"{f(seconds[name]):.3f}" for name in shapes]
-    for what, f in (("min", min), ("median", statistics.median), ("max", max))
-  ]
-  print(md.table(["extra stack slots", *shapes], rows))
-  return seconds
 
 
 def main(argv=None):
@@ -256,24 +263,19 @@ def main(argv=None):
       state = (state, scaler)
     shapes[name] = (model, tx, make, params, state)
 
-  if args.sweep_depths:
-    return sweep_depths(shapes, tokens, args.sweep_depths)
-  trace, compile_ = {n: [] for n in shapes}, {n: [] for n in shapes}
   names = list(shapes)
+  trace = timing.seconds_by_depth(
+    names, lambda name: _lower(shapes[name], tokens), args.depths
+  )
+  compile_ = {name: [] for name in names}
   for r in range(args.rounds):
-    order = names[r % len(names) :] + names[: r % len(names)]
-    for name in order:
+    for name in names[r % len(names) :] + names[: r % len(names)]:
+      lowered = _lower(shapes[name], tokens)
       t0 = time.perf_counter()
-      lowered = timing.at_stack_depth(
-        functools.partial(_lower, shapes[name], tokens), r, args.rounds
-      )
-      t1 = time.perf_counter()
       lowered.compile()
-      t2 = time.perf_counter()
-      trace[name].append(t1 - t0)
-      compile_[name].append(t2 - t1)
+      compile_[name].append(time.perf_counter() - t0)
 
-  med = lambda xs: statistics.median(xs)  # noqa: E731
+  med = statistics.median
   rows = []
   base_total = med(trace[names[0]]) + med(compile_[names[0]])
   total = {n: med(trace[n]) + med(compile_[n]) for n in names}
@@ -289,6 +291,7 @@ def main(argv=None):
         "ratio_vs_hand": round(total[name] / total[twin], 4)
         if name.startswith("ours-") and twin in total
         else None,
+        "trace_lower_by_depth_s": [round(t, 4) for t in trace[name]],
       }
     )
   n_params = sum(x.size for x in jax.tree.leaves(shapes[names[0]][3]))
@@ -296,6 +299,7 @@ def main(argv=None):
     "model": f"GPT {args.layers}x{args.d_model}, seq {args.seq}, "
     f"{n_params / 1e6:.2f}M params",
     "rounds": args.rounds,
+    "depths": args.depths,
     "rows": rows,
     "device": f"{jax.devices()[0].device_kind}, {platform.machine()}",
     "jax": jax.__version__,

@@ -121,7 +121,8 @@ CPU_QUICK = {
   "overhead-kernels": f"overhead.py {MLP} --kernels",
   "zero1": "zero1.py --layers 1 --d-model 32 --vocab 64 --seq 8 --batch 8"
   " --rounds 2",
-  "compile": "compile_time.py --layers 1 --d-model 32 --seq 16 --rounds 1",
+  "compile": "compile_time.py --layers 1 --d-model 32 --seq 16 --rounds 1"
+  " --depths 2",
   "fp8": "fp8.py --accuracy --epochs 1 --models mlp --presets bf16-mixed",
   "fp8-gpt": "fp8.py --gpt --steps 6 --layers 1 --d-model 32 --seq-len 16"
   " --eval-every 3 --text-bytes 100000",
@@ -130,7 +131,7 @@ CPU_QUICK = {
   "gpt": "gpt_compare.py --steps 6 --layers 1 --d-model 32 --seq-len 16"
   " --eval-every 3 --text-bytes 100000",
   "autocast": "autocast.py --steps 6 --layers 1 --d-model 32 --seq-len 16"
-  " --eval-every 3 --text-bytes 100000 --rounds 1 --calls 2",
+  " --eval-every 3 --text-bytes 100000 --rounds 1 --calls 2 --depths 2",
   "multihost": "multihost.py --layers 1 --d-model 32 --seq-len 16 --batch 8"
   " --steps 2 --warmup 1 --rounds 1",
   "lean-memory": "lean_state.py memory --presets bf16-true,bf16-remainders"

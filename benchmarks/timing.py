@@ -1,8 +1,15 @@
-"""The timing loop the benchmark scripts share: steps side by side in one
-process, in rounds whose order rotates, the median per step."""
+"""The timing loops the benchmark scripts share: steps side by side in one
+process, in rounds whose order rotates, the median per step; and trace times
+taken from Python stack depths spread over one of CPython's frame-stack
+chunks."""
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def seconds_per_step(names, run_round, rounds: int, steps_per_round: int):
@@ -24,21 +31,26 @@ def seconds_per_step(names, run_round, rounds: int, steps_per_round: int):
 # in 16 KiB chunks (2048 slots of 8 bytes) and frees a chunk as soon as the
 # frame at its base returns. Code whose calls keep crossing a chunk boundary
 # maps and unmaps memory at each crossing, and where the boundaries fall
-# depends on how deep in the stack the code runs. Tracing the GPT's gradient
-# with `jax.make_jaxpr` took 0.41 to 0.57 s on 2026-11-26, the same function
-# called from 24 different depths, and the wrapped model's 0.41 to 0.59 s
-# (5,600 mmap calls a trace at the worst depth, counted with perf). A trace
-# time from one depth measures where the boundaries fell as much as the code
-# traced: `at_stack_depth` spreads the rounds of a measurement over one chunk.
+# depends on how deep in the stack the code runs. On 2026-11-26 the wrapped
+# GPT's loss gradient, traced by `jax.make_jaxpr` from a script's top level,
+# made about 5,800 more mmap calls per trace than the bare model's, and the
+# same trace took tens of percent longer from one depth than from another
+# (BENCHMARKS.md, "Compile time"). A trace time from one depth measures where
+# the boundaries fell as much as the code traced: `seconds_by_depth` times
+# the code from depths spread over one chunk.
 CHUNK_SLOTS = 2048
-PAD_SLOTS = 128  # slots a padding frame takes, near enough
+PAD_SLOTS = 128  # slots of the frame stack a padding frame takes
+DEPTHS = CHUNK_SLOTS // PAD_SLOTS  # padding frames in one chunk
+# A frame holds its local names (`n`, `fn` and the padding names), its value
+# stack (4 slots in the padding function) and a fixed header (9 slots in
+# CPython 3.11 to 3.13).
+_PAD_NAMES = PAD_SLOTS - 2 - 4 - 9
 
 
-def _padding_function():
-  """`pad(n, fn)`: `fn()` called under `n` frames of about PAD_SLOTS slots
-  each (a frame's size is its count of local names, which this one never
-  assigns; they exist only to take room)."""
-  names = "".join(f"    _{i} = 0\n" for i in range(PAD_SLOTS - 8))
+def _padding_function() -> Callable:
+  """`pad(n, fn)`: `fn()` called under `n` frames of PAD_SLOTS slots each
+  (its local names are never assigned; they exist only to take room)."""
+  names = "".join(f"    _{i} = 0\n" for i in range(_PAD_NAMES))
   namespace = {}
   exec(
     "def pad(n, fn):\n"
@@ -51,8 +63,28 @@ def _padding_function():
 _pad = _padding_function()
 
 
-def at_stack_depth(fn, k: int, count: int):
-  """`fn()`, called from the k-th of `count` stack depths spread evenly over
-  one frame-stack chunk (k = 0: from here)."""
-  frames = CHUNK_SLOTS // PAD_SLOTS
-  return _pad((k % count) * frames // count, fn)
+def at_stack_depth(fn: Callable[[], T], frames: int) -> T:
+  """`fn()`, called under `frames` padding frames (0 to DEPTHS - 1: from here
+  to nearly one frame-stack chunk deeper)."""
+  if not 0 <= frames < DEPTHS:
+    raise ValueError(f"frames must be in [0, {DEPTHS}), got {frames!r}")
+  return _pad(frames, fn)
+
+
+def seconds_by_depth(
+  names, run: Callable[[str], object], depths: int = DEPTHS
+) -> dict[str, list[float]]:
+  """Seconds `run(name)` takes for each of `names`, called from each of
+  `depths` stack depths spread evenly over one frame-stack chunk (the names
+  in an order rotated at each depth): {name: [seconds at each depth]}."""
+  if not 1 <= depths <= DEPTHS:
+    raise ValueError(f"depths must be in [1, {DEPTHS}], got {depths!r}")
+  names = list(names)
+  seconds = {name: [] for name in names}
+  for k in range(depths):
+    frames = k * DEPTHS // depths
+    for name in names[k % len(names) :] + names[: k % len(names)]:
+      t0 = time.perf_counter()
+      at_stack_depth(functools.partial(run, name), frames)
+      seconds[name].append(time.perf_counter() - t0)
+  return seconds

@@ -1,10 +1,13 @@
 """The benchmarks run on tiny configs, and BENCHMARKS.md is the suite's output."""
 
+import ctypes
 import importlib
 import inspect
+import itertools
 import json
 import pathlib
 import re
+import statistics
 import sys
 
 import pytest
@@ -160,6 +163,7 @@ def test_verdicts_are_computed_from_the_numbers():
     result = {
       "model": "GPT",
       "rounds": 1,
+      "depths": 2,
       "device": "cpu",
       "rows": [dict(compile_row, ratio_vs_hand=hand)],
     }
@@ -343,7 +347,7 @@ def test_compile_time_benchmark_runs_and_renders(tmp_path):
     [
       *("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8"),
       *("--batch", "2", "--rounds", "1", "--json", str(tmp_path / "c.json")),
-      *("--only", "plain,hand-fp16,ours-fp16"),
+      *("--only", "plain,hand-fp16,ours-fp16", "--depths", "2"),
     ]
   )
   names = [r["step"] for r in result["rows"]]
@@ -356,45 +360,56 @@ def test_compile_time_benchmark_runs_and_renders(tmp_path):
   saved = json.loads((tmp_path / "c.json").read_text())
   section = compile_time.table({"compile": saved})
   assert "| ours-fp16 |" in section and "Goal: at most 1.2x" in section
-
-
-def test_compile_time_sweep_traces_each_step_at_each_depth(capsys):
-  seconds = compile_time.main(
-    [
-      *("--layers", "1", "--d-model", "16", "--heads", "2", "--seq", "8"),
-      *("--batch", "2", "--only", "plain,ours-fp32", "--sweep-depths", "2"),
-    ]
-  )
-  assert list(seconds) == ["plain", "ours-fp32"]
-  assert all(len(s) == 2 and min(s) > 0 for s in seconds.values())
-  printed = capsys.readouterr().out
-  assert "| extra stack slots | plain | ours-fp32 |" in printed
-  assert f"| {8 * timing.PAD_SLOTS} |" in printed  # depth 1 of 2: half a chunk
+  for row in saved["rows"]:  # the table's trace time: the median over depths
+    by_depth = row["trace_lower_by_depth_s"]
+    assert len(by_depth) == 2
+    assert row["trace_lower_s"] == pytest.approx(sum(by_depth) / 2, abs=1e-3)
+  depths = compile_time.depth_table({"compile": saved})
+  ours, hand = (saved["rows"][i]["trace_lower_by_depth_s"] for i in (2, 1))
+  low, high = sorted(o / h for o, h in zip(ours, hand, strict=True))
+  assert f"| ours-fp16 | {min(ours):.3f} |" in depths
+  assert f"{low:.3f}x to {high:.3f}x |" in depths
   with pytest.raises(SystemExit):
-    compile_time.parse_args(["--sweep-depths", "-1"])
+    compile_time.parse_args(["--depths", str(timing.DEPTHS + 1)])
 
 
-def test_stack_depths_spread_over_one_frame_stack_chunk():
-  """`at_stack_depth` calls from `count` depths spread evenly over one
-  chunk's worth of padding frames, the k-th k/count of the way."""
+@pytest.mark.skipif(
+  sys.implementation.name != "cpython", reason="CPython's frame stack"
+)
+def test_padding_frames_take_their_slots_of_the_frame_stack():
+  """Each padding frame moves the next frame PAD_SLOTS slots further along
+  CPython's frame stack: read from the frames' own addresses."""
 
-  def depth():
-    return len(inspect.stack(0))
+  def frame_address():  # PyFrameObject: refcount, type, f_back, f_frame
+    address = id(sys._getframe()) + 3 * ctypes.sizeof(ctypes.c_void_p)
+    return ctypes.c_void_p.from_address(address).value
 
-  count = 5
+  addresses = [
+    timing.at_stack_depth(frame_address, k) for k in range(timing.DEPTHS)
+  ]
+  steps = [(b - a) // 8 for a, b in itertools.pairwise(addresses)]
+  # Where a chunk ends the next frame starts in another one, far away.
+  assert statistics.median(steps) == timing.PAD_SLOTS
+  assert timing.DEPTHS * timing.PAD_SLOTS == timing.CHUNK_SLOTS
+
+
+def test_seconds_by_depth_calls_each_name_from_each_depth():
   depths = []
-  for k in range(count + 1):  # k = count wraps to the first depth
-    depths.append(timing.at_stack_depth(depth, k, count))
-  frames = timing.CHUNK_SLOTS // timing.PAD_SLOTS
-  assert [d - depths[0] for d in depths] == [
-    k * frames // count for k in range(count)
-  ] + [0]
-  # A frame holds its local names, its value stack and a few fixed slots
-  # (7 in CPython 3.11): the padding frame is as large as PAD_SLOTS says.
-  code = timing._pad.__code__
-  slots = code.co_nlocals + code.co_stacksize
-  assert timing.PAD_SLOTS - 16 <= slots <= timing.PAD_SLOTS
-  assert timing.at_stack_depth(lambda: "value", 3, count) == "value"
+  seconds = timing.seconds_by_depth(
+    ["a", "b"], lambda name: depths.append((name, len(inspect.stack(0)))), 4
+  )
+  assert {k: len(v) for k, v in seconds.items()} == {"a": 4, "b": 4}
+  assert all(t >= 0 for v in seconds.values() for t in v)
+  assert [n for n, _ in depths] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+  a = [d for n, d in depths if n == "a"]
+  assert a == [d for n, d in depths if n == "b"]  # the same depths for both
+  # Evenly spread over one chunk's padding frames: 0, 4, 8 and 12 of 16.
+  assert [d - a[0] for d in a] == [0, 4, 8, 12]
+  for bad in (0, timing.DEPTHS + 1):
+    with pytest.raises(ValueError, match="depths must be in"):
+      timing.seconds_by_depth(["a"], lambda name: None, bad)
+  with pytest.raises(ValueError, match="frames must be in"):
+    timing.at_stack_depth(lambda: None, timing.DEPTHS)
 
 
 def test_gpt2_benchmark_tiny_runs(capsys):
