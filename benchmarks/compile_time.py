@@ -46,6 +46,17 @@ import timing
 
 import jmp_train
 
+# The steps, in the order `variants` builds them and the table shows them.
+STEPS = (
+  "plain",
+  "hand-fp32",
+  "ours-fp32",
+  "hand-bf16",
+  "ours-bf16",
+  "hand-fp16",
+  "ours-fp16",
+)
+
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -69,6 +80,14 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if not 1 <= args.depths <= timing.DEPTHS:
     p.error(f"--depths must be 1 to {timing.DEPTHS}, got {args.depths}")
+  if args.only is not None:
+    only = [name for name in args.only.split(",") if name]
+    unknown = [name for name in only if name not in STEPS]
+    if unknown or not only:
+      p.error(
+        f"--only {args.only!r}: {', '.join(unknown) or 'no step'}; the steps"
+        f" are {', '.join(STEPS)}"
+      )
   return args
 
 
@@ -264,6 +283,8 @@ def main(argv=None):
     shapes[name] = (model, tx, make, params, state)
 
   names = list(shapes)
+  for name in names:  # the first traces in a process pay for the warm-up
+    _lower(shapes[name], tokens)
   trace = timing.seconds_by_depth(
     names, lambda name: _lower(shapes[name], tokens), args.depths
   )

@@ -43,13 +43,14 @@ PAD_SLOTS = 128  # slots of the frame stack a padding frame takes
 DEPTHS = CHUNK_SLOTS // PAD_SLOTS  # padding frames in one chunk
 # A frame holds its local names (`n`, `fn` and the padding names), its value
 # stack (4 slots in the padding function) and a fixed header (9 slots in
-# CPython 3.11 to 3.13).
+# CPython 3.11, 3.12 and 3.13).
 _PAD_NAMES = PAD_SLOTS - 2 - 4 - 9
 
 
 def _padding_function() -> Callable:
-  """`pad(n, fn)`: `fn()` called under `n` frames of PAD_SLOTS slots each
-  (its local names are never assigned; they exist only to take room)."""
+  """`pad(n, fn)`: `fn()` called from `n` frames of PAD_SLOTS slots each
+  deeper than `pad(0, fn)` calls it (the frames' local names are never
+  assigned; they exist only to take room)."""
   names = "".join(f"    _{i} = 0\n" for i in range(_PAD_NAMES))
   namespace = {}
   exec(
@@ -64,8 +65,8 @@ _pad = _padding_function()
 
 
 def at_stack_depth(fn: Callable[[], T], frames: int) -> T:
-  """`fn()`, called under `frames` padding frames (0 to DEPTHS - 1: from here
-  to nearly one frame-stack chunk deeper)."""
+  """`fn()`, called `frames` padding frames deeper than with `frames=0` (0
+  to DEPTHS - 1: up to nearly one frame-stack chunk deeper)."""
   if not 0 <= frames < DEPTHS:
     raise ValueError(f"frames must be in [0, {DEPTHS}), got {frames!r}")
   return _pad(frames, fn)
@@ -75,11 +76,15 @@ def seconds_by_depth(
   names, run: Callable[[str], object], depths: int = DEPTHS
 ) -> dict[str, list[float]]:
   """Seconds `run(name)` takes for each of `names`, called from each of
-  `depths` stack depths spread evenly over one frame-stack chunk (the names
-  in an order rotated at each depth): {name: [seconds at each depth]}."""
+  `depths` stack depths spread over one frame-stack chunk (`k * DEPTHS //
+  depths` padding frames deep, k = 0 .. depths - 1: evenly where `depths`
+  divides DEPTHS), the names in an order rotated at each depth: {name:
+  [seconds at each depth]}."""
   if not 1 <= depths <= DEPTHS:
     raise ValueError(f"depths must be in [1, {DEPTHS}], got {depths!r}")
   names = list(names)
+  if not names:
+    raise ValueError("seconds_by_depth needs at least one name, got none")
   seconds = {name: [] for name in names}
   for k in range(depths):
     frames = k * DEPTHS // depths
