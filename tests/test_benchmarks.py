@@ -398,9 +398,6 @@ def test_padding_frames_take_their_slots_of_the_frame_stack():
     timing.DEPTHS - 1,
     timing.DEPTHS,
   }
-  assert timing.at_stack_depth(frame_address, 3) == timing._pad(
-    3, frame_address
-  )
 
 
 def test_seconds_by_depth_calls_each_name_from_each_depth():
