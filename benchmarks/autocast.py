@@ -112,14 +112,12 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=10)
   p.add_argument(
     "--depths",
-    type=int,
+    type=timing.depths_arg,
     default=timing.DEPTHS,
     help=f"stack depths to trace from, 1 to {timing.DEPTHS}",
   )
   p.add_argument("--json", default=None)
   args, example_args = p.parse_known_args(argv)
-  if not 1 <= args.depths <= timing.DEPTHS:
-    p.error(f"--depths must be 1 to {timing.DEPTHS}, got {args.depths}")
   config = gpt.parse_args(example_args)
   for k in ("layers", "d_model", "heads", "seq_len", "batch_size"):
     setattr(args, k, getattr(config, k))

@@ -71,15 +71,13 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--depths",
-    type=int,
+    type=timing.depths_arg,
     default=timing.DEPTHS,
     help=f"stack depths to trace from, 1 to {timing.DEPTHS}"
     f" (default {timing.DEPTHS}: one per padding frame in a chunk)",
   )
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  if not 1 <= args.depths <= timing.DEPTHS:
-    p.error(f"--depths must be 1 to {timing.DEPTHS}, got {args.depths}")
   if args.only is not None:
     only = [name for name in args.only.split(",") if name]
     unknown = [name for name in only if name not in STEPS]
@@ -290,7 +288,7 @@ def main(argv=None):
   )
   compile_ = {name: [] for name in names}
   for r in range(args.rounds):
-    for name in names[r % len(names) :] + names[: r % len(names)]:
+    for name in timing.rotated(names, r):
       lowered = _lower(shapes[name], tokens)
       t0 = time.perf_counter()
       lowered.compile()

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import md
 import numpy as np
 import optax
+import timing
 from jax.sharding import AxisType
 
 import jmp_train
@@ -188,8 +189,7 @@ def time_matmuls(sizes, recipes, rounds, warmup):
     names = list(steps)
     times = {name: [] for name in names}
     for i in range(rounds):
-      k = i % len(names)
-      for name in names[k:] + names[:k]:  # rotate, so drift hits all alike
+      for name in timing.rotated(names, i):
         step, args = steps[name]
         start = time.perf_counter()
         jax.block_until_ready(step(*args))

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import md
 import optax
+import timing
 from jax.sharding import AxisType
 
 import jmp_train
@@ -407,8 +408,7 @@ def measure_speed(args, presets):
 
   medians = {name: [] for name in presets}
   for i in range(args.rounds):
-    k = i % len(presets)
-    for name in presets[k:] + presets[:k]:  # rotate to spread drift evenly
+    for name in timing.rotated(list(presets), i):
       times = []
       for _ in range(args.calls):
         t0 = time.perf_counter()

@@ -3,6 +3,7 @@ process, in rounds whose order rotates, the median per step; and trace times
 taken from Python stack depths spread over one of CPython's frame-stack
 chunks."""
 
+import argparse
 import functools
 import statistics
 import time
@@ -12,6 +13,13 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def rotated(names: list, k: int) -> list:
+  """`names` rotated left by `k` (modulo their count): round k's order, so
+  that drift over the rounds hits every name alike."""
+  k %= len(names)
+  return names[k:] + names[:k]
+
+
 def seconds_per_step(names, run_round, rounds: int, steps_per_round: int):
   """Median seconds per step of each of `names`: `run_round(name)` runs
   `steps_per_round` of its steps and waits for them, `rounds` times, each
@@ -19,8 +27,7 @@ def seconds_per_step(names, run_round, rounds: int, steps_per_round: int):
   names = list(names)
   times = {name: [] for name in names}
   for r in range(rounds):
-    k = r % len(names)
-    for name in names[k:] + names[:k]:
+    for name in rotated(names, r):
       t0 = time.perf_counter()
       run_round(name)
       times[name].append((time.perf_counter() - t0) / steps_per_round)
@@ -45,6 +52,16 @@ DEPTHS = CHUNK_SLOTS // PAD_SLOTS  # padding frames in one chunk
 # stack (4 slots in the padding function) and a fixed header (9 slots in
 # CPython 3.11, 3.12 and 3.13).
 _PAD_NAMES = PAD_SLOTS - 2 - 4 - 9
+
+
+def depths_arg(text: str) -> int:
+  """An argparse type: a count of stack depths for `seconds_by_depth`."""
+  depths = int(text)
+  if not 1 <= depths <= DEPTHS:
+    raise argparse.ArgumentTypeError(
+      f"--depths must be 1 to {DEPTHS}, got {depths}"
+    )
+  return depths
 
 
 def _padding_function() -> Callable:
@@ -88,7 +105,7 @@ def seconds_by_depth(
   seconds = {name: [] for name in names}
   for k in range(depths):
     frames = k * DEPTHS // depths
-    for name in names[k % len(names) :] + names[: k % len(names)]:
+    for name in rotated(names, k):
       t0 = time.perf_counter()
       at_stack_depth(functools.partial(run, name), frames)
       seconds[name].append(time.perf_counter() - t0)

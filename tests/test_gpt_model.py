@@ -166,8 +166,8 @@ def test_gpt2_benchmark_runs_with_the_fused_loss(monkeypatch):
 
 
 def test_a_float32_wrap_traces_to_the_bare_models_program():
-  # benchmarks/page.md ("Compile time") reads the wrapped fp32 step's extra
-  # trace time as Python's own: the loss's gradient is the same program.
+  # benchmarks/page.md ("Compile time") says the loss's gradient traces to
+  # the same program, wrapped in float32 or not.
   base = gpt_model.GPT(layers=2, d_model=32, heads=4, seq_len=16)
   wrapped = jmp_train.linen.wrap(base, jmp_train.get_preset("fp32").policy)
   tokens = jnp.zeros((2, 17), jnp.int32)
