@@ -28,14 +28,17 @@ all_finite (select-skip, jmp's way, without loss scaling).
 """
 
 import argparse
+import functools
 import gzip
 import json
+import math
 import pathlib
 import platform
 import re
 import statistics
 import time
 
+import deviceless
 import jax
 import jax.numpy as jnp
 import md
@@ -50,7 +53,9 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--dims", default="1024,2048,2048,2048,10")
   p.add_argument("--batch", type=int, default=256)
-  p.add_argument("--steps", type=int, default=30, help="timed rounds")
+  p.add_argument(
+    "--steps", type=timing.count_arg, default=30, help="timed rounds"
+  )
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--update-only", action="store_true")
   p.add_argument(
@@ -65,8 +70,15 @@ def parse_args(argv=None):
     help="count each compiled step's kernels instead of timing it",
   )
   p.add_argument(
+    "--target",
+    choices=sorted(deviceless.TARGETS),
+    default=None,
+    help="with --kernels: compile for this GPU, here, without one"
+    " (needs JAX's CUDA plugin)",
+  )
+  p.add_argument(
     "--steps-per-round",
-    type=int,
+    type=timing.count_arg,
     default=1,
     help="steps dispatched before each wait (1: wait after every step)",
   )
@@ -77,16 +89,13 @@ def parse_args(argv=None):
     help="trace --profile-steps steps of each step with jax.profiler into"
     " DIR/<step> and summarize where the time goes, instead of timing",
   )
-  p.add_argument("--profile-steps", type=int, default=20)
+  p.add_argument("--profile-steps", type=timing.count_arg, default=20)
   p.add_argument("--json", default=None, help="also write results here")
   args = p.parse_args(argv)
-  for name in ("steps_per_round", "profile_steps", "steps"):
-    if getattr(args, name) < 1:
-      p.error(
-        f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-      )
   if args.profile and args.kernels:
     p.error("--profile and --kernels each replace the timing: pass one")
+  if args.target and not args.kernels:
+    p.error(f"--target {args.target} compiles without running: add --kernels")
   if args.profile and args.profile_steps % args.steps_per_round:
     p.error(
       f"--profile-steps {args.profile_steps} must be a multiple of"
@@ -474,12 +483,41 @@ _CALLED = re.compile(
 _HOLDERS = ("conditional", "while", "call", "async-start")
 
 
-def count_kernels(hlo_text: str) -> dict[str, int]:
-  """The kernels a compiled module runs per call, by opcode: every
+# Bytes per element of the types a compiled step holds (anything else: 0).
+_ITEMSIZE = {
+  "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+  "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+_SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+  """Bytes of the arrays a shape (or a tuple of them) in HLO text names."""
+  return sum(
+    _ITEMSIZE.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+    for dtype, dims in _SHAPE.findall(text)
+  )
+
+
+def _operands(line: str, op: str) -> list[str]:
+  """The instruction names inside `op(...)` on an HLO line."""
+  start = line.index(f" {op}(") + len(op) + 2
+  depth, end = 1, start
+  while depth:
+    depth += {"(": 1, ")": -1}.get(line[end], 0)
+    end += 1
+  return re.findall(r"%([\w.\-]+)", line[start : end - 1])
+
+
+def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
+  """The kernels a compiled module runs per call, as (opcode, bytes): every
   instruction of the entry computation but the bookkeeping ones (a fusion
   is one kernel), and of a conditional its largest branch (the step that
   updates), of a while loop its condition and body once, of a call or an
-  async start what it calls."""
+  async start what it calls. A kernel's bytes are its operands' sizes and
+  its result's summed: what it moves if it reads each operand once, exact
+  for elementwise kernels, an upper bound for those that read a slice."""
   comps, name = {}, None
   for line in hlo_text.splitlines():
     head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
@@ -491,28 +529,42 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
     elif name is not None:
       comps[name].append(line)
 
-  def count(comp: str) -> dict[str, int]:
-    total: dict[str, int] = {}
+  def walk(comp: str) -> list[tuple[str, int]]:
+    found, sizes = [], {}
     for line in comps.get(comp, []):
       m = _INSTR.match(line)
-      if not m or m[1] in _NO_KERNEL:
+      if not m:
         continue
       op = m[1]
+      head = line.split("=", 1)
+      sizes[head[0].split()[-1].lstrip("%")] = _shape_bytes(
+        head[1][: head[1].index(f" {op}(")]
+      )
+      if op in _NO_KERNEL:
+        continue
       if op in _HOLDERS:
         called = []
         for a, b in _CALLED.findall(line):
           called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]
-        parts = [count(c) for c in called]
+        parts = [walk(c) for c in called]
         if op == "conditional":
-          parts = [max(parts, key=lambda d: sum(d.values()))] if parts else []
+          parts = [max(parts, key=len)] if parts else []
         for part in parts:
-          for k, v in part.items():
-            total[k] = total.get(k, 0) + v
+          found += part
         continue
-      total[op] = total.get(op, 0) + 1
-    return total
+      moved = sum(sizes.get(o, 0) for o in _operands(line, op))
+      found.append((op, moved + sizes[head[0].split()[-1].lstrip("%")]))
+    return found
 
-  return count("ENTRY")
+  return walk("ENTRY")
+
+
+def count_kernels(hlo_text: str) -> dict[str, int]:
+  """The kernels a compiled module runs per call, by opcode (`kernel_list`)."""
+  total: dict[str, int] = {}
+  for op, _ in kernel_list(hlo_text):
+    total[op] = total.get(op, 0) + 1
+  return total
 
 
 def _subject(args) -> str:
@@ -525,22 +577,42 @@ def _machine() -> str:
   return f"{jax.devices()[0].device_kind}, {platform.machine()}"
 
 
-def kernels_main(args, steps, params, x, y) -> dict:
-  """Each step's kernel count (`count_kernels` of its compiled HLO; steps
-  are compiled, not run, so they share `params`)."""
+def kernels_main(args, steps, params, x, y, place=None) -> dict:
+  """Each step's kernels (`kernel_list` of its compiled HLO: their count by
+  opcode and the bytes they move). Steps are compiled, not run, so they
+  share `params`; with `place` (arguments placed on a GPU target that is not
+  here, `deviceless.abstract`) each state is its shape, placed likewise."""
   kernels = {}
   for name, (init, step) in steps.items():
-    hlo = step.lower(params, init(params), x, y).compile().as_text()
-    by_op = count_kernels(hlo)
-    kernels[name] = {"total": sum(by_op.values()), "by_op": by_op}
-    print(f"{name}: {kernels[name]['total']} kernels {by_op}")
+    state = place(jax.eval_shape(init, params)) if place else init(params)
+    hlo = step.lower(params, state, x, y).compile().as_text()
+    found = kernel_list(hlo)
+    by_op: dict[str, int] = {}
+    for op, _ in found:
+      by_op[op] = by_op.get(op, 0) + 1
+    kernels[name] = {
+      "total": len(found),
+      "by_op": by_op,
+      "mbytes": round(sum(b for _, b in found) / 1e6, 1),
+      # A skip's lax.cond may be compiled to selects (XLA's conditional
+      # simplifier): how many the compiled step still branches on.
+      "conditionals": len(re.findall(r"\sconditional\(", hlo)),
+    }
+    print(f"{name}: {len(found)} kernels {by_op}")
   return {
     "what": f"kernels per {_subject(args)}",
     "param_dtype": jnp.dtype(jax.tree.leaves(params)[0].dtype).name,
     "leaves": len(jax.tree.leaves(params)),
+    "batch": args.batch,
     "kernels": kernels,
-    "device": _machine(),
+    "device": (
+      f"{deviceless.NAMES[args.target]} (compiled here, not run),"
+      f" {platform.machine()}"
+      if args.target
+      else _machine()
+    ),
     "jax": jax.__version__,
+    **({"cuda_plugin": deviceless.plugin()} if args.target else {}),
   }
 
 
@@ -558,15 +630,31 @@ def kernels_table(results: dict) -> str:
       rows.append(
         [
           r["device"],
-          r["what"],
+          r["what"] + (f", batch {r['batch']}" if "step" in r["what"] else ""),
           name,
           v["total"],
           f"{v['total'] - base:+d}",
+          v.get("mbytes", ""),
           ", ".join(f"{op} {n}" for op, n in top),
         ]
       )
-  header = ["machine", "what", "step", "kernels", "vs plain", "most launched"]
-  return md.table(header, rows)
+  header = [
+    "machine",
+    "what",
+    "step",
+    "kernels",
+    "vs plain",
+    "MB moved",
+    "most launched",
+  ]
+  notes = [
+    f"{r['device']}, {r['what']}: conditionals left in the compiled step: "
+    + ", ".join(f"{n} {v['conditionals']}" for n, v in r["kernels"].items())
+    + "."
+    for r in runs
+    if all("conditionals" in v for v in r["kernels"].values())
+  ]
+  return "\n\n".join([md.table(header, rows), *notes])
 
 
 def run_round(step, state, x, y, args):
@@ -875,6 +963,8 @@ def timing_main(args, steps, base, make_params, x, y) -> dict:
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.target:  # the GPU compiled for is not here: look for none
+    jax.config.update("jax_platforms", "cpu")
   dims = [int(d) for d in args.dims.split(",")]
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.batch, dims[0])), jnp.float32)
@@ -892,6 +982,13 @@ def main(argv=None):
   if args.profile:
     result = profile_main(args, steps, make_params, x, y)
     print(profile_table({"p": result}))
+  elif args.kernels and args.target:
+    place = functools.partial(
+      deviceless.abstract, topo=deviceless.topology(args.target)
+    )
+    params = place(jax.eval_shape(make_params))
+    result = kernels_main(args, steps, params, place(x), place(y), place)
+    print(kernels_table({"k": result}))
   elif args.kernels:
     result = kernels_main(args, steps, make_params(), x, y)
     print(kernels_table({"k": result}))

@@ -26,6 +26,7 @@ machines' results:
 import argparse
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -54,6 +55,13 @@ CPU_JOBS = {
   "overhead-kernels-update": "overhead.py --kernels --update-only",
   "overhead-profile": "overhead.py --batch 64 --profile-steps 10 --profile"
   " benchmarks/results/traces/cpu-step",
+  # Compiled for an H100 here, not run (DEVICELESS: skipped without the
+  # CUDA plugin).
+  "overhead-kernels-h100": "overhead.py --kernels --target h100 --batch 16384",
+  "overhead-kernels-h100-update": "overhead.py --kernels --target h100"
+  " --update-only",
+  "host-cost": "host_cost.py",
+  "host-cost-deep": "host_cost.py --layers 74 --steps-per-round 30",
   "zero1": "zero1.py",
   "compile": "compile_time.py",
   "fp8": "fp8.py --accuracy",
@@ -68,6 +76,11 @@ CPU_JOBS = {
   "loss-head": "loss_head.py",
   "lean-speed": "lean_state.py speed",  # last: timings want a quiet machine
 }
+# Jobs that compile for a GPU without one: they need JAX's CUDA plugin
+# (`pip install "jax[cuda12]"`, jax's version), and a whole run skips them,
+# with a line, where it is missing.
+DEVICELESS = {"overhead-kernels-h100", "overhead-kernels-h100-update"}
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 GPU_JOBS = {
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
@@ -106,6 +119,8 @@ GPU_JOBS = {
   "overhead-gpu-profile-update": "overhead.py --update-only --profile"
   " benchmarks/results/traces/gpu-update",
   "overhead-gpu-study": "overhead.py --study --batch 16384 --steps 100",
+  "host-cost-gpu": "host_cost.py",
+  "host-cost-gpu-deep": "host_cost.py --layers 74 --steps-per-round 30",
   "overhead-gpu-masters": "overhead.py --bf16-params --batch 16384 --steps 100",
   "overhead-gpu-masters-update": (
     "overhead.py --bf16-params --update-only --steps 100"
@@ -119,6 +134,8 @@ CPU_QUICK = {
   "overhead-study": f"overhead.py {MLP} --study",
   "overhead-masters-update": f"overhead.py {MLP} --bf16-params --update-only",
   "overhead-kernels": f"overhead.py {MLP} --kernels",
+  "host-cost": "host_cost.py --layers 2 --steps-per-round 3 --rounds 2"
+  " --warmup 1",
   "zero1": "zero1.py --layers 1 --d-model 32 --vocab 64 --seq 8 --batch 8"
   " --rounds 2",
   "compile": "compile_time.py --layers 1 --d-model 32 --seq 16 --rounds 1"
@@ -268,6 +285,11 @@ def render(results: dict, env: dict, gpu_env: dict | None, quick: bool) -> str:
   return head + page
 
 
+def cuda_plugin() -> bool:
+  """Whether JAX's CUDA plugin is installed (found, not imported)."""
+  return any(importlib.util.find_spec(name) for name in CUDA_PLUGINS)
+
+
 def gpu_kind() -> str | None:
   """The first device's kind if it is a GPU, else None, asked in a child
   process: a JAX that starts its GPU backend here would hold (preallocate)
@@ -350,6 +372,15 @@ def main(argv=None):
     # Written first, so a run cut short still says which machine it was.
     (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))
     for name, job in todo.items():
+      if name in DEVICELESS and not cuda_plugin():
+        print(
+          f"== {name}: skipped, it needs JAX's CUDA plugin"
+          ' (pip install "jax[cuda12]", the version of jax)',
+          flush=True,
+        )
+        if args.only:  # asked for by name: not done is a failure
+          failed.append(name)
+        continue
       try:
         seconds = run_job(name, job, json_dir)
         print(f"== {name}: {seconds:.1f}s", flush=True)

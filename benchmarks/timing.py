@@ -54,6 +54,14 @@ DEPTHS = CHUNK_SLOTS // PAD_SLOTS  # padding frames in one chunk
 _PAD_NAMES = PAD_SLOTS - 2 - 4 - 9
 
 
+def count_arg(text: str) -> int:
+  """An argparse type: a count of at least 1 (rounds, steps, layers)."""
+  count = int(text)
+  if count < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
+  return count
+
+
 def depths_arg(text: str) -> int:
   """An argparse type: a count of stack depths for `seconds_by_depth`."""
   depths = int(text)

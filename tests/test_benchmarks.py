@@ -579,6 +579,160 @@ ENTRY %main (x: f32[], i: s32[]) -> f32[] {
   assert "| ours |" in overhead.kernels_table({"k": result})
 
 
+def test_kernel_bytes_are_operands_and_results_by_hand():
+  # Shapes chosen so each kernel's bytes are a sum to do by hand: f32[4,8]
+  # is 128 bytes, f32[8] 32, bf16[4,8] 64, pred[] 1, s32[] 4.
+  hlo = """
+%fused_a (p0: f32[4,8], p1: f32[8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  ROOT %r = f32[4,8]{1,0} add(%p0, %p0)
+}
+
+%big (q: f32[4,8]) -> f32[4,8] {
+  %q = f32[4,8]{1,0} parameter(0)
+  %h = bf16[4,8]{1,0} convert(%q)
+  ROOT %o = f32[4,8]{1,0} fusion(%q, %h), kind=kLoop, calls=%fused_a
+}
+
+%small (q: f32[4,8]) -> f32[4,8] {
+  ROOT %q = f32[4,8]{1,0} parameter(0)
+}
+
+ENTRY %main (x: f32[4,8], b: f32[8], i: s32[]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %b = f32[8]{0} parameter(1)
+  %i = s32[] parameter(2)
+  %two = (f32[4,8]{1,0}, pred[]) fusion(%x, %b), kind=kLoop, calls=%fused_a
+  %y = f32[4,8]{1,0} get-tuple-element(%two), index=0
+  %c = f32[4,8]{1,0} conditional(%i, %y, %y), branch_computations={%small, %big}
+  ROOT %z = f32[4,8]{1,0} fusion(%c, %b), kind=kLoop, calls=%fused_a
+}
+"""
+  assert overhead.kernel_list(hlo) == [
+    ("fusion", 128 + 32 + (128 + 1)),  # two operands, a tuple result
+    ("convert", 128 + 64),  # in the larger branch, read from its parameter
+    ("fusion", 128 + 64 + 128),
+    ("fusion", 128 + 32 + 128),  # the conditional's result is an operand
+  ]
+  assert overhead.count_kernels(hlo) == {"fusion": 3, "convert": 1}
+
+
+def test_kernels_table_says_which_conditionals_are_left():
+  result = overhead.main(["--dims", "16,32,4", "--kernels", "--update-only"])
+  k = result["kernels"]
+  # On XLA:CPU the skip stays a conditional; plain adam has none to keep.
+  assert (k["plain"]["conditionals"], k["skip-only"]["conditionals"]) == (0, 1)
+  assert k["ours"]["mbytes"] > 0
+  text = overhead.kernels_table({"k": result})
+  assert "MB moved" in text
+  assert "conditionals left in the compiled step: plain 0, skip-only 1" in text
+
+
+def test_deviceless_target_is_checked_and_needs_the_plugin():
+  import deviceless
+
+  with pytest.raises(ValueError, match=r"target must be one of \['h100'\]"):
+    deviceless.topology("a100")
+  if suite.cuda_plugin():
+    pytest.skip("JAX's CUDA plugin is installed: the refusal cannot happen")
+  with pytest.raises(
+    RuntimeError, match=r'needs JAX.s CUDA plugin: pip install "jax\[cuda12\]=='
+  ):
+    deviceless.topology("h100")
+
+
+def test_suite_skips_a_deviceless_job_without_the_plugin(
+  tmp_path, capsys, monkeypatch
+):
+  assert suite.DEVICELESS <= set(suite.CPU_JOBS)
+  monkeypatch.setattr(suite, "gpu_kind", lambda: None)
+  monkeypatch.setattr(suite, "cuda_plugin", lambda: False)
+  ran = []
+
+  def run_job(name, job, where):
+    ran.append(name)
+    return 0.0
+
+  monkeypatch.setattr(suite, "run_job", run_job)
+  monkeypatch.setattr(suite, "render", lambda *a: "page")
+  argv = ["--json-dir", str(tmp_path), "--out", str(tmp_path / "B.md")]
+  # Named in --only: not done is a failure; the other job still runs.
+  with pytest.raises(SystemExit, match="failed: overhead-kernels-h100$"):
+    suite.main([*argv, "--only", "overhead-kernels-h100,host-cost"])
+  assert ran == ["host-cost"]
+  assert "overhead-kernels-h100: skipped, it needs JAX's CUDA plugin" in (
+    capsys.readouterr().out
+  )
+  # In a whole run it is skipped with its line, not failed.
+  monkeypatch.setattr(
+    suite, "CPU_JOBS", {"overhead-kernels-h100": "x.py", "host-cost": "y.py"}
+  )
+  ran.clear()
+  suite.main(argv)
+  assert ran == ["host-cost"]
+
+
+def test_host_cost_runs_and_renders():
+  import host_cost
+
+  layers = 2
+  result = host_cost.main(
+    [
+      "--layers",
+      str(layers),
+      "--steps-per-round",
+      "2",
+      "--rounds",
+      "2",
+      "--warmup",
+      "1",
+    ]
+  )
+  assert result["param_leaves"] == 2 * layers
+  # Arrays in each state, by the written rule: adam keeps a count and mu and
+  # nu per param; jmp-style adds the loss scale and its counter; ours adds
+  # those and its five counters and flags (steps, skipped steps, last step
+  # finite, grad norm, skip streak), and no master for a float32 param.
+  adam = 1 + 2 * (2 * layers)
+  assert result["state_leaves"] == {
+    "plain": adam,
+    "skip-only": adam,
+    "ours": adam + 2 + 5,
+    "jmp-style": adam + 2,
+    "plain + loss scale": adam + 2,
+    "plain + counters": adam + 5,
+    "plain + masters": adam,  # None per float32 param: no arrays
+    "plain + MaskedNode masters": adam,
+  }
+  steps = ["plain", "skip-only", "ours", "jmp-style"]
+  assert list(result["step_us"]) == steps
+  assert list(result["call_us"]) == steps + list(host_cost.PARTS)
+  for times in (result["step_us"], result["call_us"]):
+    assert all(t > 0 for t in times.values())
+  text = host_cost.table({"r": result})
+  assert f"| full train step, {2 * layers} params | ours | {adam + 7} |" in text
+  assert f"| plain + counters | {adam + 5} |  |" in text  # no step to time
+  assert "Each part of ours's state added alone to plain's: loss scale" in text
+  assert "(with an optax.MaskedNode per param, the placeholder until" in text
+  assert host_cost.table({}).startswith("Not measured")
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+  ],
+)
+def test_host_cost_refuses_bad_settings(argv, message, capsys):
+  import host_cost
+
+  with pytest.raises(SystemExit):
+    host_cost.parse_args(argv)
+  assert message in capsys.readouterr().err
+
+
 def test_gpt_compare_saves_the_runs_without_history(tmp_path, monkeypatch):
   # The example's own run is tested in test_gpt_example; here, what the
   # benchmark keeps of it and where the chart goes.
@@ -833,8 +987,21 @@ def test_overhead_steps_per_round_label_and_gpu_verdicts(capsys):
     " 1.010x with 10 steps per wait, **met**"
   ) in text
   for argv, message in (
-    (["--steps-per-round", "0"], "--steps-per-round must be >= 1, got 0"),
+    (
+      ["--steps-per-round", "0"],
+      "argument --steps-per-round: must be >= 1, got 0",
+    ),
+    (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (
+      ["--profile-steps", "-1"],
+      "argument --profile-steps: must be >= 1, got -1",
+    ),
     (["--profile", "d", "--kernels"], "--profile and --kernels"),
+    (
+      ["--target", "h100"],
+      "--target h100 compiles without running: add --kernels",
+    ),
+    (["--kernels", "--target", "a100"], "invalid choice: 'a100'"),
     (
       ["--profile", "d", "--profile-steps", "5", "--steps-per-round", "2"],
       "--profile-steps 5 must be a multiple of --steps-per-round 2",

@@ -367,6 +367,45 @@ def test_single_device_round_trip_keeps_dtypes_and_loss_scale(tmp_path):
   assert state2.loss_scaler.min_loss_scale == state.loss_scaler.min_loss_scale
 
 
+@pytest.mark.parametrize("with_masters", [True, False])
+def test_a_checkpoint_with_masked_node_placeholders_restores(
+  tmp_path, with_masters
+):
+  # Until 2026-11-26 a param that keeps no master had an optax.MaskedNode in
+  # master_params, where the state now has None. Neither holds an array, so
+  # a checkpoint written with the old placeholder holds the same arrays in
+  # the same order and restores into today's state.
+  tx = jmp.mixed_precision(
+    optax.adam(1e-3), loss_scale=jmp.dynamic_loss_scale()
+  )
+  params = {
+    "a": jnp.arange(3.0) + 1,
+    "b": (jnp.arange(4.0) / 3).astype(jnp.bfloat16),
+  }
+  state = tx.init(params)
+  grads = {"a": jnp.ones(3), "b": jnp.ones(4, jnp.bfloat16)}
+  updates, state = tx.update(grads, state, params)
+  params = optax.apply_updates(params, updates)
+  assert state.master_params["a"] is None
+  old = state._replace(
+    master_params={"a": optax.MaskedNode(), "b": state.master_params["b"]}
+  )
+  with checkpoint.Checkpointer(
+    tmp_path, use_master_weights_in_ckpt=with_masters
+  ) as ckpt:
+    ckpt.save(1, params, old)
+    _, params2, state2 = ckpt.restore(params, tx=tx)
+  assert jax.tree.structure(state2) == jax.tree.structure(state)
+  _assert_trees_equal(params2, params)
+  if with_masters:
+    _assert_trees_equal(state2, state)
+  else:  # rebuilt from the params, by design
+    np.testing.assert_array_equal(
+      state2.master_params["b"], np.asarray(params["b"], np.float32)
+    )
+    _assert_trees_equal(state2.inner_state, state.inner_state)
+
+
 def _tiny(value, tx):
   """bf16 params of one value and the state `tx.init` builds for them."""
   params = {"w": jnp.full((3,), value, jnp.bfloat16)}

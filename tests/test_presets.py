@@ -86,7 +86,7 @@ def test_preset_optimizer_keeps_masters_exactly_for_low_precision_params(name):
   params = preset.policy.cast_to_param({"w": jnp.ones(3), "i": jnp.int32(1)})
   tx = preset.mixed_precision(optax.sgd(1e-4))
   state = tx.init(params)
-  has_master = not isinstance(state.master_params["w"], optax.MaskedNode)
+  has_master = state.master_params["w"] is not None
   assert has_master == (np.dtype(preset.policy.param_dtype).itemsize < 4)
   scale = jmp_train.current_loss_scale(state)
   grads = {
@@ -146,7 +146,7 @@ def test_presets_adjust_with_dataclasses_replace():
   tx = rounded.mixed_precision(optax.sgd(1e-3))
   params = {"w": jnp.ones(3, jnp.float16)}
   state = tx.init(params)
-  assert isinstance(state.master_params["w"], optax.MaskedNode)
+  assert state.master_params["w"] is None
   grads = {"w": jnp.ones(3, jnp.float16)}
   update = jax.jit(tx.update)
   for _ in range(100):

@@ -11,7 +11,7 @@ leaves by restoring halves of the tree.
 
 Master weights are part of the format's choices: a checkpoint written with
 `use_master_weights_in_ckpt=False` stores the optimizer state with every
-master weight replaced by `optax.MaskedNode()` (`strip_masters`), and a
+master weight replaced by `None` (`strip_masters`), and a
 restore rebuilds them by upcasting the params (`rebuild_masters`).
 """
 
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmp_train._src import leaves, optimizer_state, param_update
+from jmp_train._src import optimizer_state, param_update
 
 FORMAT = 1  # meta["format"]: leaves stored as `{index:05d}_{path}` keys.
 
@@ -121,19 +121,21 @@ def check_matches(saved: Any, target: Any, where: str) -> None:
 
 
 def strip_masters(opt_state: Any) -> Any:
-  """`opt_state` with every master weight replaced by `optax.MaskedNode()`."""
+  """`opt_state` with every master weight replaced by `None`."""
 
   def strip(s):
     if not optimizer_state.is_mixed_precision_state(s):
       return s
-    masked = jax.tree.map(
-      lambda _: leaves.MASKED, s.master_params, is_leaf=leaves.is_masked
-    )
-    return s._replace(master_params=masked)
+    stripped = jax.tree.map(lambda _: None, s.master_params)
+    return s._replace(master_params=stripped)
 
   return jax.tree.map(
     strip, opt_state, is_leaf=optimizer_state.is_mixed_precision_state
   )
+
+
+def _keeps_nothing(kept: Any) -> bool:
+  return kept is None
 
 
 def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
@@ -141,14 +143,14 @@ def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
   zero remainder or compensation where it keeps those instead).
 
   `opt_state` is `strip_masters(template)` restored; `template` says which
-  params keep a master copy (the others stay `optax.MaskedNode()`).
+  params keep a master copy (the others stay `None`).
   """
 
   def fill(s, t):
     if not optimizer_state.is_mixed_precision_state(s):
       return s
     masters = jax.tree.map(
-      param_update.rebuilt, t.master_params, params, is_leaf=leaves.is_masked
+      param_update.rebuilt, t.master_params, params, is_leaf=_keeps_nothing
     )
     return s._replace(master_params=masters)
 

@@ -28,7 +28,7 @@ class MixedPrecisionState(NamedTuple):
     master_params: what `param_update` keeps beside each param stored below
       float32: a float32 master (`MasterWeights`), the master's int16
       remainder (`ParamRemainders`) or a compensation in the param's dtype
-      (`KahanSummation`); `optax.MaskedNode()` where a param keeps nothing.
+      (`KahanSummation`); `None` where a param keeps nothing.
     inner_state: the wrapped optimizer's state, its fields stored as
       `state_formats` says (`jmp_train.state_format`).
     steps: number of `update` calls.

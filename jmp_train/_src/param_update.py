@@ -219,7 +219,10 @@ def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
   entry in `values` (default the param itself) under `MasterWeights`; the
   int16 remainder of that value under `ParamRemainders` (the param must be
   the value rounded to nearest); the compensation `value - param` in the
-  param's dtype under `KahanSummation`. `optax.MaskedNode()` everywhere else.
+  param's dtype under `KahanSummation`. `None` everywhere else: a
+  placeholder that holds no array and that JAX passes through a jitted
+  call in C++ (an `optax.MaskedNode` per param costs a Python call per
+  param on every call of the train step: benchmarks/host_cost.py).
   An `Fp8Param` keeps a float32 master under every rule (nothing else can
   update it): its entry in `values`, or the param dequantized.
 
@@ -233,7 +236,7 @@ def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
       v = v.dequantize() if fp8_param.is_fp8_param(v) else v
       return jnp.array(v, jnp.float32)
     if not needs_master(p):
-      return leaves.MASKED
+      return None
     if isinstance(rule, MasterWeights):
       return jnp.array(v, jnp.float32)  # a copy, never an alias of `p`
     if isinstance(rule, ParamRemainders):
@@ -248,7 +251,7 @@ def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
     if isinstance(rule, KahanSummation):
       wide = jnp.asarray(v, jnp.float32) - p.astype(jnp.float32)
       return wide.astype(p.dtype)
-    return leaves.MASKED
+    return None
 
   return jax.tree_util.tree_map_with_path(
     master, params, values, is_leaf=fp8_param.is_fp8_param
@@ -278,7 +281,7 @@ def full_value(param: Any, kept: Any) -> Any:
   """A float param's float32 value from what the state keeps beside it:
   the master, the master rebuilt from its remainder, `param + compensation`,
   or the param widened."""
-  if leaves.is_masked(kept):
+  if kept is None:
     return leaves.widen(jnp.asarray(param))
   if kept.dtype == jnp.int16:
     return from_remainder(param, kept)
@@ -291,7 +294,7 @@ def rebuilt(kept: Any, param: Any) -> Any:
   """What the state keeps beside `param`, rebuilt from the param alone
   (a checkpoint saved without masters): the upcast param, a zero remainder
   or a zero compensation, shaped and typed like `kept`."""
-  if leaves.is_masked(kept):
+  if kept is None:
     return kept
   if fp8_param.is_fp8_param(param):
     return param.dequantize()
@@ -345,7 +348,7 @@ def apply(
     )
   if not leaves.is_float(param):
     return LeafUpdate(jnp.zeros_like(param), kept)
-  if leaves.is_masked(kept):
+  if kept is None:
     if isinstance(rule, StochasticRounding) and needs_master(param):
       wide = param.astype(jnp.float32)
       new = rounding.cast_stochastic(wide + update, param.dtype, key)

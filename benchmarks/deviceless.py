@@ -1,0 +1,90 @@
+"""Compiling for a GPU on a machine without one.
+
+XLA compiles for a GPU it is told about (a `GpuTargetConfig`: the chip's
+limits, compute capability, cuDNN and CUDA versions) as it would for one it
+finds, less the autotuning that needs the chip: `jax.jit(f).lower(...)` on
+arguments placed on that target's devices, then `.compile()`, gives the
+compiled HLO, kernels and buffer sizes XLA would run there. The numbers the
+target needs are the H100 SXM's published ones (132 SMs, 80 GB of HBM3 at
+3.35 TB/s, 50 MB of L2); the CUDA and cuDNN versions are those of the
+`jax[cuda12]` wheels this was written with. It needs JAX's CUDA plugin
+installed (`pip install "jax[cuda12]"`, the same version as jax), and no GPU.
+
+  topology = deviceless.topology("h100")
+  x = deviceless.abstract(jnp.zeros((8, 8)), topology)
+  hlo = jax.jit(f).lower(x).compile().as_text()
+"""
+
+import importlib.metadata
+
+import jax
+from jax.experimental import topologies
+
+TARGETS = {
+  "h100": """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84929347584
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+""",
+}
+NAMES = {"h100": "NVIDIA H100 80GB HBM3"}
+
+
+def plugin() -> str:
+  """The installed CUDA plugin and its version, for the record."""
+  for name in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
+    try:
+      return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+      continue
+  return "none"
+
+
+def topology(target: str):
+  """One GPU of `target` (a key of TARGETS), for compiling without it.
+
+  Raises:
+    ValueError: for a target not in TARGETS.
+    RuntimeError: where JAX's CUDA plugin is not installed.
+  """
+  if target not in TARGETS:
+    raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
+  try:
+    return topologies.get_topology_desc(
+      platform="cuda", target_config=TARGETS[target], topology="1x1x1"
+    )
+  except Exception as e:  # what the missing plugin raises varies by version
+    raise RuntimeError(
+      f"compiling for {target} without a GPU needs JAX's CUDA plugin: pip"
+      f' install "jax[cuda12]=={jax.__version__}" ({type(e).__name__}: {e})'
+    ) from e
+
+
+def abstract(tree, topo):
+  """`tree`'s arrays as `jax.ShapeDtypeStruct`s replicated on `topo`'s GPU."""
+  mesh = topologies.make_mesh(topo, (1,), ("x",))
+  where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree
+  )
