@@ -53,12 +53,12 @@ NAMES = {"h100": "NVIDIA H100 80GB HBM3"}
 
 def plugin() -> str:
   """The installed CUDA plugin and its version, for the record."""
-  for name in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
-    try:
-      return f"{name} {importlib.metadata.version(name)}"
-    except importlib.metadata.PackageNotFoundError:
-      continue
-  return "none"
+  try:
+    return (
+      f"jax-cuda12-plugin {importlib.metadata.version('jax-cuda12-plugin')}"
+    )
+  except importlib.metadata.PackageNotFoundError:
+    return "none"
 
 
 def topology(target: str):

@@ -483,31 +483,41 @@ _CALLED = re.compile(
 _HOLDERS = ("conditional", "while", "call", "async-start")
 
 
-# Bytes per element of the types a compiled step holds (anything else: 0).
-_ITEMSIZE = {
-  "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-  "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+# Bits per element of each HLO element type.
+_BITS = {
+  "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "f4e2m1fn": 4,
+  "s8": 8, "u8": 8, "f8e3m4": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3fnuz": 8,
+  "f8e4m3b11fnuz": 8, "f8e5m2": 8, "f8e5m2fnuz": 8, "f8e8m0fnu": 8,
+  "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+  "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64,
+  "c64": 64, "c128": 128,
 }  # fmt: skip
 _SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 
 
 def _shape_bytes(text: str) -> int:
-  """Bytes of the arrays a shape (or a tuple of them) in HLO text names."""
-  return sum(
-    _ITEMSIZE.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
-    for dtype, dims in _SHAPE.findall(text)
-  )
+  """Bytes of the arrays a shape (or a tuple of them) in HLO text names.
+
+  Raises:
+    ValueError: for an element type not in `_BITS`.
+  """
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    if dtype not in _BITS:
+      raise ValueError(f"unknown HLO element type {dtype!r} in {text!r}")
+    elements = math.prod(int(d) for d in dims.split(",") if d)
+    total += -(-elements * _BITS[dtype] // 8)
+  return total
 
 
 def _operands(line: str, op: str) -> list[str]:
-  """The instruction names inside `op(...)` on an HLO line."""
+  """The instruction names inside `op(...)` on an HLO line, each once."""
   start = line.index(f" {op}(") + len(op) + 2
   depth, end = 1, start
   while depth:
     depth += {"(": 1, ")": -1}.get(line[end], 0)
     end += 1
-  return re.findall(r"%([\w.\-]+)", line[start : end - 1])
+  return list(dict.fromkeys(re.findall(r"%([\w.\-]+)", line[start : end - 1])))
 
 
 def kernel_list(hlo_text: str) -> list[tuple[str, int]]:

@@ -61,7 +61,7 @@ CPU_JOBS = {
   "overhead-kernels-h100-update": "overhead.py --kernels --target h100"
   " --update-only",
   "host-cost": "host_cost.py",
-  "host-cost-deep": "host_cost.py --layers 74 --steps-per-round 30",
+  "host-cost-deep": "host_cost.py --layers 74 --steps-per-round 30 --rounds 40",
   "zero1": "zero1.py",
   "compile": "compile_time.py",
   "fp8": "fp8.py --accuracy",
@@ -80,7 +80,8 @@ CPU_JOBS = {
 # (`pip install "jax[cuda12]"`, jax's version), and a whole run skips them,
 # with a line, where it is missing.
 DEVICELESS = {"overhead-kernels-h100", "overhead-kernels-h100-update"}
-CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+# CUDA 12's: the H100 target (deviceless.TARGETS) names CUDA 12.9.
+CUDA_PLUGINS = ("jax_cuda12_plugin",)
 GPU_JOBS = {
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
@@ -120,7 +121,8 @@ GPU_JOBS = {
   " benchmarks/results/traces/gpu-update",
   "overhead-gpu-study": "overhead.py --study --batch 16384 --steps 100",
   "host-cost-gpu": "host_cost.py",
-  "host-cost-gpu-deep": "host_cost.py --layers 74 --steps-per-round 30",
+  "host-cost-gpu-deep": "host_cost.py --layers 74 --steps-per-round 30"
+  " --rounds 40",
   "overhead-gpu-masters": "overhead.py --bf16-params --batch 16384 --steps 100",
   "overhead-gpu-masters-update": (
     "overhead.py --bf16-params --update-only --steps 100"

@@ -580,6 +580,8 @@ ENTRY %main (x: f32[], i: s32[]) -> f32[] {
 
 
 def test_kernel_bytes_are_operands_and_results_by_hand():
+  import jax
+
   # Shapes chosen so each kernel's bytes are a sum to do by hand: f32[4,8]
   # is 128 bytes, f32[8] 32, bf16[4,8] 64, pred[] 1, s32[] 4.
   hlo = """
@@ -616,6 +618,19 @@ ENTRY %main (x: f32[4,8], b: f32[8], i: s32[]) -> f32[4,8] {
     ("fusion", 128 + 32 + 128),  # the conditional's result is an operand
   ]
   assert overhead.count_kernels(hlo) == {"fusion": 3, "convert": 1}
+  # An operand read twice is moved once; sub-byte types round up; an
+  # element type the table does not know is refused, not counted as 0.
+  twice = "ENTRY %m (a: f32[8]) -> f32[8] {\n  %a = f32[8]{0} parameter(0)\n"
+  twice += "  ROOT %f = f32[8]{0} fusion(%a, %a), kind=kLoop, calls=%g\n}\n"
+  assert overhead.kernel_list(twice) == [("fusion", 32 + 32)]
+  assert overhead._shape_bytes("(s4[3]{0}, c64[2]{0})") == 2 + 16
+  with pytest.raises(ValueError, match="unknown HLO element type 'q7'"):
+    overhead._shape_bytes("q7[3]")
+  # Real compiled text (metadata, layouts): x * y + 1 on 1000 float32s is
+  # one fusion that reads x and y and writes the result, 4000 bytes each.
+  x = jax.numpy.ones(1000)
+  real = jax.jit(lambda x, y: x * y + 1.0).lower(x, x).compile().as_text()
+  assert overhead.kernel_list(real) == [("fusion", 3 * 4000)]
 
 
 def test_kernels_table_says_which_conditionals_are_left():
@@ -671,6 +686,9 @@ def test_suite_skips_a_deviceless_job_without_the_plugin(
   ran.clear()
   suite.main(argv)
   assert ran == ["host-cost"]
+  assert "overhead-kernels-h100: skipped, it needs JAX's CUDA plugin" in (
+    capsys.readouterr().out
+  )
 
 
 def test_host_cost_runs_and_renders():

@@ -134,10 +134,6 @@ def strip_masters(opt_state: Any) -> Any:
   )
 
 
-def _keeps_nothing(kept: Any) -> bool:
-  return kept is None
-
-
 def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
   """Fills the master weights `template` has from the upcast `params` (a
   zero remainder or compensation where it keeps those instead).
@@ -150,12 +146,15 @@ def rebuild_masters(template: Any, opt_state: Any, params: Any) -> Any:
     if not optimizer_state.is_mixed_precision_state(s):
       return s
     masters = jax.tree.map(
-      param_update.rebuilt, t.master_params, params, is_leaf=_keeps_nothing
+      param_update.rebuilt,
+      t.master_params,
+      params,
+      is_leaf=param_update.keeps_nothing,
     )
     return s._replace(master_params=masters)
 
   # `opt_state` leads: a MixedPrecisionState of it is a leaf there, so the
-  # template's (with arrays where `opt_state` has masked nodes) pairs whole.
+  # template's (with arrays where `opt_state` has `None`) pairs whole.
   return jax.tree.map(
     fill, opt_state, template, is_leaf=optimizer_state.is_mixed_precision_state
   )

@@ -277,11 +277,16 @@ def from_remainder(param: jax.Array, rem: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def keeps_nothing(kept: Any) -> bool:
+  """Whether what the state keeps beside a param is nothing (`None`)."""
+  return kept is None
+
+
 def full_value(param: Any, kept: Any) -> Any:
   """A float param's float32 value from what the state keeps beside it:
   the master, the master rebuilt from its remainder, `param + compensation`,
   or the param widened."""
-  if kept is None:
+  if keeps_nothing(kept):
     return leaves.widen(jnp.asarray(param))
   if kept.dtype == jnp.int16:
     return from_remainder(param, kept)
@@ -294,7 +299,7 @@ def rebuilt(kept: Any, param: Any) -> Any:
   """What the state keeps beside `param`, rebuilt from the param alone
   (a checkpoint saved without masters): the upcast param, a zero remainder
   or a zero compensation, shaped and typed like `kept`."""
-  if kept is None:
+  if keeps_nothing(kept):
     return kept
   if fp8_param.is_fp8_param(param):
     return param.dequantize()
@@ -348,7 +353,7 @@ def apply(
     )
   if not leaves.is_float(param):
     return LeafUpdate(jnp.zeros_like(param), kept)
-  if kept is None:
+  if keeps_nothing(kept):
     if isinstance(rule, StochasticRounding) and needs_master(param):
       wide = param.astype(jnp.float32)
       new = rounding.cast_stochastic(wide + update, param.dtype, key)
