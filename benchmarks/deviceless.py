@@ -16,6 +16,7 @@ installed (`pip install "jax[cuda12]"`, the same version as jax), and no GPU.
 """
 
 import importlib.metadata
+import re
 
 import jax
 from jax.experimental import topologies
@@ -48,7 +49,11 @@ runtime_version { major: 12 minor: 9 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """,
 }
-NAMES = {"h100": "NVIDIA H100 80GB HBM3"}
+
+
+def name(target: str) -> str:
+  """The device a target describes (its `device_description_str`)."""
+  return re.search(r'device_description_str: "([^"]+)"', TARGETS[target])[1]
 
 
 def plugin() -> str:

@@ -135,15 +135,9 @@ def main(argv=None):
     {name: jax.jit(_passthrough, donate_argnums=(0, 1)) for name in calls},
     calls,
   )
+  shapes = jax.eval_shape(lambda: overhead.init_mlp(dims, jax.random.key(0)))
   leaves = {
-    name: len(
-      jax.tree.leaves(
-        jax.eval_shape(
-          init,
-          jax.eval_shape(lambda: overhead.init_mlp(dims, jax.random.key(0))),
-        )
-      )
-    )
+    name: len(jax.tree.leaves(jax.eval_shape(init, shapes)))
     for name, init in calls.items()
   }
   result = {
@@ -210,7 +204,7 @@ def table(results: dict) -> str:
     "us per step (vs plain)",
     "us per empty call (vs plain)",
   ]
-  lines = [md.table(header, rows), ""]
+  notes = []
   for r in runs:
     step, call = r["step_us"], r["call_us"]
     extra = step["ours"] - step["plain"]
@@ -220,7 +214,7 @@ def table(results: dict) -> str:
       for name in PARTS[:3]
     )
     old = call[PARTS[3]] - call["plain"]
-    lines.append(
+    notes.append(
       f"{r['device']}, {r['what']}, {r['param_leaves']} params: ours costs"
       f" {extra:+.1f} us per step over plain"
       f" ({md.ratio(step['ours'] / step['plain'])}); the empty call on its"
@@ -229,7 +223,7 @@ def table(results: dict) -> str:
       f" state added alone to plain's: {parts} (with an optax.MaskedNode"
       f" per param, the placeholder until 2026-11-26: {old:+.1f} us)."
     )
-  return "\n\n".join([lines[0], *lines[2:]])
+  return "\n\n".join([md.table(header, rows), *notes])
 
 
 if __name__ == "__main__":

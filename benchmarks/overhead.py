@@ -546,10 +546,9 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
       if not m:
         continue
       op = m[1]
-      head = line.split("=", 1)
-      sizes[head[0].split()[-1].lstrip("%")] = _shape_bytes(
-        head[1][: head[1].index(f" {op}(")]
-      )
+      lhs, rhs = line.split("=", 1)
+      name = lhs.split()[-1].lstrip("%")
+      sizes[name] = _shape_bytes(rhs[: rhs.index(f" {op}(")])
       if op in _NO_KERNEL:
         continue
       if op in _HOLDERS:
@@ -563,18 +562,23 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
           found += part
         continue
       moved = sum(sizes.get(o, 0) for o in _operands(line, op))
-      found.append((op, moved + sizes[head[0].split()[-1].lstrip("%")]))
+      found.append((op, moved + sizes[name]))
     return found
 
   return walk("ENTRY")
 
 
-def count_kernels(hlo_text: str) -> dict[str, int]:
-  """The kernels a compiled module runs per call, by opcode (`kernel_list`)."""
+def _by_op(kernels: list[tuple[str, int]]) -> dict[str, int]:
+  """How many of `kernel_list`'s kernels each opcode has."""
   total: dict[str, int] = {}
-  for op, _ in kernel_list(hlo_text):
+  for op, _ in kernels:
     total[op] = total.get(op, 0) + 1
   return total
+
+
+def count_kernels(hlo_text: str) -> dict[str, int]:
+  """The kernels a compiled module runs per call, by opcode (`kernel_list`)."""
+  return _by_op(kernel_list(hlo_text))
 
 
 def _subject(args) -> str:
@@ -597,9 +601,7 @@ def kernels_main(args, steps, params, x, y, place=None) -> dict:
     state = place(jax.eval_shape(init, params)) if place else init(params)
     hlo = step.lower(params, state, x, y).compile().as_text()
     found = kernel_list(hlo)
-    by_op: dict[str, int] = {}
-    for op, _ in found:
-      by_op[op] = by_op.get(op, 0) + 1
+    by_op = _by_op(found)
     kernels[name] = {
       "total": len(found),
       "by_op": by_op,
@@ -616,7 +618,7 @@ def kernels_main(args, steps, params, x, y, place=None) -> dict:
     "batch": args.batch,
     "kernels": kernels,
     "device": (
-      f"{deviceless.NAMES[args.target]} (compiled here, not run),"
+      f"{deviceless.name(args.target)} (compiled here, not run),"
       f" {platform.machine()}"
       if args.target
       else _machine()
@@ -992,15 +994,14 @@ def main(argv=None):
   if args.profile:
     result = profile_main(args, steps, make_params, x, y)
     print(profile_table({"p": result}))
-  elif args.kernels and args.target:
-    place = functools.partial(
-      deviceless.abstract, topo=deviceless.topology(args.target)
-    )
-    params = place(jax.eval_shape(make_params))
-    result = kernels_main(args, steps, params, place(x), place(y), place)
-    print(kernels_table({"k": result}))
   elif args.kernels:
-    result = kernels_main(args, steps, make_params(), x, y)
+    params, place = make_params(), None
+    if args.target:  # arguments placed on the target's GPU, as shapes
+      place = functools.partial(
+        deviceless.abstract, topo=deviceless.topology(args.target)
+      )
+      params, x, y = place(jax.eval_shape(make_params)), place(x), place(y)
+    result = kernels_main(args, steps, params, x, y, place)
     print(kernels_table({"k": result}))
   else:
     result = timing_main(args, steps, base, make_params, x, y)
