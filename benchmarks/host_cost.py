@@ -143,7 +143,7 @@ def main(argv=None):
   result = {
     "what": "optimizer update only" if args.update_only else "full train step",
     "layers": args.layers,
-    "param_leaves": 2 * args.layers,
+    "param_leaves": len(jax.tree.leaves(shapes)),
     "state_leaves": leaves,
     "steps_per_round": args.steps_per_round,
     "rounds": args.rounds,

@@ -995,12 +995,13 @@ def main(argv=None):
     result = profile_main(args, steps, make_params, x, y)
     print(profile_table({"p": result}))
   elif args.kernels:
-    params, place = make_params(), None
     if args.target:  # arguments placed on the target's GPU, as shapes
       place = functools.partial(
         deviceless.abstract, topo=deviceless.topology(args.target)
       )
       params, x, y = place(jax.eval_shape(make_params)), place(x), place(y)
+    else:
+      params, place = make_params(), None
     result = kernels_main(args, steps, params, x, y, place)
     print(kernels_table({"k": result}))
   else:
