@@ -22,6 +22,16 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+  """`JMP_TRAIN_COMPILE_REPORT=DIR make test`: where the time goes, per test
+  (tests/compile_report.py)."""
+  directory = os.environ.get("JMP_TRAIN_COMPILE_REPORT")
+  if directory:
+    import compile_report
+
+    config.pluginmanager.register(compile_report.Recorder(directory))
+
+
 def pytest_sessionfinish(session):
   """The session's own compilation cache goes away with it (not a user's)."""
   if hasattr(session.config, "workerinput"):
