@@ -23,13 +23,16 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-  """`JMP_TRAIN_COMPILE_REPORT=DIR make test`: where the time goes, per test
-  (tests/compile_report.py)."""
+  """With JMP_TRAIN_COMPILE_REPORT=DIR, records where the time goes.
+
+  Per test: wall time, tracing, lowering and XLA compiles
+  (tests/compile_report.py sums them).
+  """
   directory = os.environ.get("JMP_TRAIN_COMPILE_REPORT")
   if directory:
     import compile_report
 
-    config.pluginmanager.register(compile_report.Recorder(directory))
+    config.pluginmanager.register(compile_report.Recorder(directory, config))
 
 
 def pytest_sessionfinish(session):
