@@ -201,9 +201,8 @@ def report(tests: dict, top: int = 25) -> str:
     "| test | wall s | compile s | trace+lower s | compiles of 1 s or more |",
     "|---|---|---|---|---|",
   ]
-  for nodeid, row in sorted(tests.items(), key=lambda kv: -kv[1]["wall_s"])[
-    :top
-  ]:
+  slowest = sorted(tests.items(), key=lambda kv: -kv[1]["wall_s"])[:top]
+  for nodeid, row in slowest:
     big = sorted((d for d in row["compiles"] if d >= 1), reverse=True)
     out.append(
       f"| {nodeid} | {_seconds(row)} | {', '.join(f'{d:.1f}' for d in big)} |"
