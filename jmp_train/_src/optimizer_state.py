@@ -2,11 +2,13 @@
 
 Readers of the state (`current_loss_scale`, `train_metrics`, monitors, the
 train step, checkpoints) call `find_state`, which finds the one
-`MixedPrecisionState` wherever it sits (`optax.chain`, `optax.MultiSteps`,
+`MixedPrecisionState` wherever it sits (a one-element `optax.chain`,
 `optax.inject_hyperparams`, an `nnx.Optimizer`'s state, any pytree) and
-checks that `mixed_precision` is the outermost transformation: optax gives
-`update` no view of its neighbours, so the order is checked where the state
-is read.
+checks that `mixed_precision` is the outermost transformation: no neighbour
+in a chain, and no optax wrapper that changes what it sees or what it
+returns (`MultiSteps`, `masked`, `multi_transform`, `apply_if_finite`).
+optax gives `update` no view of its neighbours, so the order is checked
+where the state is read.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
 
   Raises:
     ValueError: if there is not exactly one, or if it has neighbours in an
-      optax chain (see `mixed_precision`: it must be outermost).
+      optax chain or sits in an optax wrapper that breaks it (see
+      `mixed_precision`: it must be outermost).
   """
   found = _states_with_paths(opt_state)
   if len(found) != 1:
@@ -116,8 +119,45 @@ def _is_transformation_state(x: Any) -> bool:
   return False
 
 
+def _wrapper_problem(node: Any) -> str | None:
+  """What an optax wrapper around `mixed_precision` breaks, and the fix."""
+  if isinstance(node, optax.MultiStepsState):
+    return (
+      "optax.MultiSteps(mixed_precision(...)) adds each micro-step's scaled "
+      "gradients to its accumulator before mixed_precision can skip an "
+      "overflow, and resets it as (1 - emit) * acc: one inf makes it NaN "
+      "for every later window, so every later update is skipped. Put "
+      "MultiSteps inside: mixed_precision(optax.MultiSteps(optimizer, "
+      "every_k_schedule=k)), or accumulate in the train step "
+      "(make_train_step(..., accum_steps=k))."
+    )
+  if isinstance(node, optax.MultiTransformState):  # also optax.partition
+    return (
+      "optax.multi_transform with mixed_precision in one group gives the "
+      "other groups the scaled gradients, and their non-finite values do "
+      "not skip the step. Put it inside: mixed_precision("
+      "optax.multi_transform(transforms, labels)) (frozen params: a group of "
+      "optax.set_to_zero() there)."
+    )
+  if isinstance(node, optax.MaskedState):
+    return (
+      "optax.masked(mixed_precision(...), mask) passes the masked-out "
+      "leaves' scaled gradients through as their updates. Put it inside: "
+      "mixed_precision(optax.masked(optimizer, mask))."
+    )
+  if isinstance(node, optax.ApplyIfFiniteState):
+    return (
+      "optax.apply_if_finite(mixed_precision(...)) keeps non-finite steps "
+      "from mixed_precision, so its loss scale does not back off and its "
+      "counters miss them. mixed_precision skips them itself: drop "
+      "apply_if_finite."
+    )
+  return None
+
+
 def _check_outermost(opt_state: Any, path: tuple) -> None:
-  """Refuses a `mixed_precision` state that has neighbours in a chain.
+  """Refuses a `mixed_precision` state that has neighbours in a chain, or
+  that sits in an optax wrapper that breaks it (`_wrapper_problem`).
 
   `optax.chain(clip, mixed_precision(...))` clips the scaled gradients, and
   `optax.chain(mixed_precision(...), other)` changes the exact updates that
@@ -129,6 +169,11 @@ def _check_outermost(opt_state: Any, path: tuple) -> None:
   """
   node = opt_state
   for key in path:
+    problem = _wrapper_problem(node)
+    if problem:
+      raise ValueError(
+        f"mixed_precision must be the outermost transformation: {problem}"
+      )
     child = _child(node, key)
     if child is None:
       return

@@ -421,8 +421,11 @@ def _full_view(params: optax.Params, masters: optax.Params) -> optax.Params:
 def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
   """The loss scale to multiply the next loss by (a float32 scalar).
 
-  Finds the `mixed_precision` state wherever it sits: inside `optax.chain`,
-  `optax.MultiSteps`, `optax.inject_hyperparams` or any pytree of states.
+  Finds the `mixed_precision` state wherever it sits: in a one-element
+  `optax.chain`, `optax.inject_hyperparams`, an `nnx.Optimizer` or any pytree
+  of states. Raises ValueError where it is not outermost (a neighbour in a
+  chain; `optax.MultiSteps`, `masked`, `multi_transform` or
+  `apply_if_finite` around it): the message says where it goes.
   """
   scaler = find_state(opt_state).loss_scaler
   return jnp.asarray(scaler.loss_scale, jnp.float32)
