@@ -276,7 +276,7 @@ def torch_table(results: dict) -> str:
 
 def config(tiny: bool) -> dict:
   if tiny:
-    return dict(layers=2, d_model=64, heads=4, seq_len=64, vocab=128)
+    return dict(layers=1, d_model=64, heads=4, seq_len=64, vocab=128)
   return dict(layers=12, d_model=768, heads=12, seq_len=1024, vocab=50304)
 
 

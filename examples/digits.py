@@ -162,7 +162,11 @@ def main(argv=None):
     fp8_exclude=("head",),
   )
   key = jax.random.key(args.seed)
-  variables = model.init(key, jnp.zeros((1, 8, 8, 1)), train=False)
+  # Under jit, as Flax's examples initialise: one compiled program, where
+  # eager init compiles each initializer on its own (the same values).
+  variables = jax.jit(lambda key, x: model.init(key, x, train=False))(
+    key, jnp.zeros((1, 8, 8, 1))
+  )
   params = variables["params"]
   batch_stats = variables.get("batch_stats", {})
   fp8_meta = variables.get("fp8_meta", {})
@@ -171,7 +175,7 @@ def main(argv=None):
   tx = preset.mixed_precision(
     optax.adamw(schedule, weight_decay=args.weight_decay)
   )
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)
   initial_scale = float(jmp_train.current_loss_scale(opt_state))
 
   @jax.jit

@@ -32,7 +32,8 @@ def tx():
 
 def init_params(dtype=jnp.float32, seed=0):
   tokens = jnp.zeros((1, MODEL.seq_len), jnp.int32)
-  params = MODEL.init(jax.random.key(seed), tokens)["params"]
+  # One compiled init (eagerly, XLA:CPU compiles each initializer alone).
+  params = jax.jit(MODEL.init)(jax.random.key(seed), tokens)["params"]
   params = dict(params, extra_bias=0.3 * jnp.ones((10,), jnp.float32))
   scale = lambda x: (x + 0.05).astype(dtype)  # noqa: E731 (no zero biases)
   return jax.tree.map(scale, params)

@@ -168,8 +168,8 @@ def _resnet_reference(tx, params, batch_stats, data, key):
 @pytest.fixture(scope="module")
 def resnet_runs():
   data = _resnet_data(5, poison_at=(2,))
-  variables = RESNET.init(
-    jax.random.key(0), jnp.zeros((1, 6, 6, 3)), train=False
+  variables = jax.jit(functools.partial(RESNET.init, train=False))(
+    jax.random.key(0), jnp.zeros((1, 6, 6, 3))
   )
   params, batch_stats = variables["params"], variables["batch_stats"]
   key = jax.random.key(42)
