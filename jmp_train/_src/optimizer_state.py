@@ -6,7 +6,8 @@ train step, checkpoints) call `find_state`, which finds the one
 `optax.inject_hyperparams`, an `nnx.Optimizer`'s state, any pytree) and
 checks that `mixed_precision` is the outermost transformation: no neighbour
 in a chain, and no optax wrapper that changes what it sees or what it
-returns (`MultiSteps`, `masked`, `multi_transform`, `apply_if_finite`).
+returns (`MultiSteps`, `masked`, `partition`/`multi_transform`,
+`conditionally_transform`, `apply_if_finite`).
 optax gives `update` no view of its neighbours, so the order is checked
 where the state is read.
 """
@@ -126,18 +127,19 @@ def _wrapper_problem(node: Any) -> str | None:
       "optax.MultiSteps(mixed_precision(...)) adds each micro-step's scaled "
       "gradients to its accumulator before mixed_precision can skip an "
       "overflow, and resets it as (1 - emit) * acc: one inf makes it NaN "
-      "for every later window, so every later update is skipped. Put "
-      "MultiSteps inside: mixed_precision(optax.MultiSteps(optimizer, "
-      "every_k_schedule=k)), or accumulate in the train step "
-      "(make_train_step(..., accum_steps=k))."
+      "for every later window, so every later update is skipped (with "
+      "should_skip_update_fn=optax.skip_not_finite it drops the micro-step "
+      "instead, and the loss scale never backs off). Put MultiSteps inside: "
+      "mixed_precision(optax.MultiSteps(optimizer, every_k_schedule=k)), or "
+      "accumulate in the train step (make_train_step(..., accum_steps=k))."
     )
-  if isinstance(node, optax.MultiTransformState):  # also optax.partition
+  if isinstance(node, optax.PartitionState):
     return (
-      "optax.multi_transform with mixed_precision in one group gives the "
-      "other groups the scaled gradients, and their non-finite values do "
-      "not skip the step. Put it inside: mixed_precision("
-      "optax.multi_transform(transforms, labels)) (frozen params: a group of "
-      "optax.set_to_zero() there)."
+      "optax.partition (multi_transform, selective_transform) with "
+      "mixed_precision in one group gives the other groups the scaled "
+      "gradients, and their non-finite values do not skip the step. Put it "
+      "inside: mixed_precision(optax.partition(transforms, labels)) (frozen "
+      "params: a group of optax.set_to_zero() there)."
     )
   if isinstance(node, optax.MaskedState):
     return (
@@ -145,19 +147,27 @@ def _wrapper_problem(node: Any) -> str | None:
       "leaves' scaled gradients through as their updates. Put it inside: "
       "mixed_precision(optax.masked(optimizer, mask))."
     )
+  if isinstance(node, optax.ConditionallyTransformState):
+    return (
+      "optax.conditionally_transform(mixed_precision(...), should_transform_fn) "
+      "passes the scaled gradients through as updates on the steps it does "
+      "not transform. Put it inside: mixed_precision("
+      "optax.conditionally_transform(optimizer, should_transform_fn))."
+    )
   if isinstance(node, optax.ApplyIfFiniteState):
     return (
       "optax.apply_if_finite(mixed_precision(...)) keeps non-finite steps "
-      "from mixed_precision, so its loss scale does not back off and its "
-      "counters miss them. mixed_precision skips them itself: drop "
-      "apply_if_finite."
+      "from mixed_precision until more than max_consecutive_errors come in a "
+      "row, so its loss scale backs off late and its counters miss them. "
+      "mixed_precision skips them itself: drop apply_if_finite."
     )
   return None
 
 
 def _check_outermost(opt_state: Any, path: tuple) -> None:
-  """Refuses a `mixed_precision` state that has neighbours in a chain, or
-  that sits in an optax wrapper that breaks it (`_wrapper_problem`).
+  """Refuses a `mixed_precision` state that is not outermost.
+
+  Inside an optax wrapper that breaks it: see `_wrapper_problem`.
 
   `optax.chain(clip, mixed_precision(...))` clips the scaled gradients, and
   `optax.chain(mixed_precision(...), other)` changes the exact updates that

@@ -172,7 +172,9 @@ def mixed_precision(
   the updates with `optax.apply_updates`. Place this transformation last: it
   must see the raw gradients, and its updates are exact only when applied
   unchanged. Clipping, weight decay and schedules belong in `inner`, which
-  sees unscaled float32 gradients and float32 params.
+  sees unscaled float32 gradients and float32 params; so do optax's wrappers
+  (`mixed_precision(optax.MultiSteps(...))` accumulates gradients, skipping
+  an overflowing micro-step).
 
   With master weights, after `optax.apply_updates` every low-precision param
   equals its new float32 master cast to the param dtype, bit for bit: the
@@ -424,8 +426,8 @@ def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
   Finds the `mixed_precision` state wherever it sits: in a one-element
   `optax.chain`, `optax.inject_hyperparams`, an `nnx.Optimizer` or any pytree
   of states. Raises ValueError where it is not outermost (a neighbour in a
-  chain; `optax.MultiSteps`, `masked`, `multi_transform` or
-  `apply_if_finite` around it): the message says where it goes.
+  chain; `optax.MultiSteps`, `masked`, `partition`, `conditionally_transform`
+  or `apply_if_finite` around it): the message says where it goes.
   """
   scaler = find_state(opt_state).loss_scaler
   return jnp.asarray(scaler.loss_scale, jnp.float32)
