@@ -7,9 +7,8 @@ train step, checkpoints) call `find_state`, which finds the one
 checks that `mixed_precision` is the outermost transformation: no neighbour
 in a chain, and no optax wrapper that changes what it sees or what it
 returns (`MultiSteps`, `masked`, `partition`/`multi_transform`,
-`conditionally_transform`, `apply_if_finite`).
-optax gives `update` no view of its neighbours, so the order is checked
-where the state is read.
+`conditionally_transform`, `apply_if_finite`). optax gives `update` no view
+of its neighbours, so the order is checked where the state is read.
 """
 
 from __future__ import annotations
