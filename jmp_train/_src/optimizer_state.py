@@ -119,54 +119,50 @@ def _is_transformation_state(x: Any) -> bool:
   return False
 
 
-def _wrapper_problem(node: Any) -> str | None:
-  """What an optax wrapper around `mixed_precision` breaks, and the fix."""
-  if isinstance(node, optax.MultiStepsState):
-    return (
-      "optax.MultiSteps(mixed_precision(...)) adds each micro-step's scaled "
-      "gradients to its accumulator before mixed_precision can skip an "
-      "overflow, and resets it as (1 - emit) * acc: one inf makes it NaN "
-      "for every later window, so every later update is skipped (with "
-      "should_skip_update_fn=optax.skip_not_finite it drops the micro-step "
-      "instead, and the loss scale never backs off). Put MultiSteps inside: "
-      "mixed_precision(optax.MultiSteps(optimizer, every_k_schedule=k)), or "
-      "accumulate in the train step (make_train_step(..., accum_steps=k))."
-    )
-  if isinstance(node, optax.PartitionState):
-    return (
-      "optax.partition (multi_transform, selective_transform) with "
-      "mixed_precision in one group gives the other groups the scaled "
-      "gradients, and their non-finite values do not skip the step. Put it "
-      "inside: mixed_precision(optax.partition(transforms, labels)) (frozen "
-      "params: a group of optax.set_to_zero() there)."
-    )
-  if isinstance(node, optax.MaskedState):
-    return (
-      "optax.masked(mixed_precision(...), mask) passes the masked-out "
-      "leaves' scaled gradients through as their updates. Put it inside: "
-      "mixed_precision(optax.masked(optimizer, mask))."
-    )
-  if isinstance(node, optax.ConditionallyTransformState):
-    return (
-      "optax.conditionally_transform(mixed_precision(...), should_transform_fn) "
-      "passes the scaled gradients through as updates on the steps it does "
-      "not transform. Put it inside: mixed_precision("
-      "optax.conditionally_transform(optimizer, should_transform_fn))."
-    )
-  if isinstance(node, optax.ApplyIfFiniteState):
-    return (
-      "optax.apply_if_finite(mixed_precision(...)) keeps non-finite steps "
-      "from mixed_precision until more than max_consecutive_errors come in a "
-      "row, so its loss scale backs off late and its counters miss them. "
-      "mixed_precision skips them itself: drop apply_if_finite."
-    )
-  return None
+# What each optax wrapper breaks when it holds `mixed_precision`, and the fix,
+# by the wrapper's state type.
+_WRAPPER_PROBLEMS = {
+  optax.MultiStepsState: (
+    "optax.MultiSteps(mixed_precision(...)) adds each micro-step's scaled "
+    "gradients to its accumulator before mixed_precision can skip an "
+    "overflow, and resets it as (1 - emit) * acc: one inf makes it NaN "
+    "for every later window, so every later update is skipped (with "
+    "should_skip_update_fn=optax.skip_not_finite it drops the micro-step "
+    "instead, and the loss scale never backs off). Put MultiSteps inside: "
+    "mixed_precision(optax.MultiSteps(optimizer, every_k_schedule=k)), or "
+    "accumulate in the train step (make_train_step(..., accum_steps=k))."
+  ),
+  optax.PartitionState: (
+    "optax.partition (multi_transform, selective_transform) with "
+    "mixed_precision in one group gives the other groups the scaled "
+    "gradients, and their non-finite values do not skip the step. Put it "
+    "inside: mixed_precision(optax.partition(transforms, labels)) (frozen "
+    "params: a group of optax.set_to_zero() there)."
+  ),
+  optax.MaskedState: (
+    "optax.masked(mixed_precision(...), mask) passes the masked-out "
+    "leaves' scaled gradients through as their updates. Put it inside: "
+    "mixed_precision(optax.masked(optimizer, mask))."
+  ),
+  optax.ConditionallyTransformState: (
+    "optax.conditionally_transform(mixed_precision(...), should_transform_fn) "
+    "passes the scaled gradients through as updates on the steps it does "
+    "not transform. Put it inside: mixed_precision("
+    "optax.conditionally_transform(optimizer, should_transform_fn))."
+  ),
+  optax.ApplyIfFiniteState: (
+    "optax.apply_if_finite(mixed_precision(...)) keeps non-finite steps "
+    "from mixed_precision until more than max_consecutive_errors come in a "
+    "row, so its loss scale backs off late and its counters miss them. "
+    "mixed_precision skips them itself: drop apply_if_finite."
+  ),
+}
 
 
 def _check_outermost(opt_state: Any, path: tuple) -> None:
   """Refuses a `mixed_precision` state that is not outermost.
 
-  Inside an optax wrapper that breaks it: see `_wrapper_problem`.
+  Inside an optax wrapper that breaks it: see `_WRAPPER_PROBLEMS`.
 
   `optax.chain(clip, mixed_precision(...))` clips the scaled gradients, and
   `optax.chain(mixed_precision(...), other)` changes the exact updates that
@@ -178,7 +174,7 @@ def _check_outermost(opt_state: Any, path: tuple) -> None:
   """
   node = opt_state
   for key in path:
-    problem = _wrapper_problem(node)
+    problem = _WRAPPER_PROBLEMS.get(type(node))
     if problem:
       raise ValueError(
         f"mixed_precision must be the outermost transformation: {problem}"
