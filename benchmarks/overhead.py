@@ -481,6 +481,8 @@ _CALLED = re.compile(
 # Instructions whose called computations hold the kernels (XLA:GPU puts runs
 # of kernels in command buffers, `call(...), to_apply=%command_buffer`).
 _HOLDERS = ("conditional", "while", "call", "async-start")
+# XLA:CPU compiles a call with this attribute into one kernel.
+_SMALL_CALL = 'xla_cpu_small_call="true"'
 
 
 # Bits per element of each HLO element type.
@@ -525,7 +527,9 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
   instruction of the entry computation but the bookkeeping ones (a fusion
   is one kernel), and of a conditional its largest branch (the step that
   updates), of a while loop its condition and body once, of a call or an
-  async start what it calls. A kernel's bytes are its operands' sizes and
+  async start what it calls; a call XLA:CPU marks small
+  (`xla_cpu_small_call`, which its legacy emitters give a scatter's loop)
+  runs as one kernel. A kernel's bytes are its operands' sizes and
   its result's summed: what it moves if it reads each operand once, exact
   for elementwise kernels, an upper bound for those that read a slice."""
   comps, name = {}, None
@@ -551,7 +555,7 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
       sizes[name] = _shape_bytes(rhs[: rhs.index(f" {op}(")])
       if op in _NO_KERNEL:
         continue
-      if op in _HOLDERS:
+      if op in _HOLDERS and _SMALL_CALL not in line:
         called = []
         for a, b in _CALLED.findall(line):
           called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]

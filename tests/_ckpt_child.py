@@ -4,8 +4,12 @@ process: resume a train state, die mid-save, or exit right after a save."""
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+# Added to, not replaced: test_checkpoint.py imports this module, and the
+# flags a user set for the test session must survive that import.
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import _models  # noqa: E402
 import jax  # noqa: E402

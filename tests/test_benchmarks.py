@@ -526,8 +526,9 @@ def test_loss_head_reads_xla_temporaries_of_both_losses():
 
 def test_count_kernels_reads_entry_branches_and_loops():
   # Written HLO: 1 kernel in the entry, a conditional whose larger branch
-  # has 3, a while loop with 1 in its condition and 2 in its body, and a
-  # call (XLA:GPU's command buffers) of a computation with 1.
+  # has 3, a while loop with 1 in its condition and 2 in its body, a call
+  # (XLA:GPU's command buffers) of a computation with 1, and a call XLA:CPU
+  # marks small, which it runs as one kernel whatever it calls.
   hlo = """
 %small (p: f32[]) -> f32[] {
   %p = f32[] parameter(0)
@@ -560,7 +561,8 @@ ENTRY %main (x: f32[], i: s32[]) -> f32[] {
   %r = f32[] conditional(%i, %s, %s), branch_computations={%small, %big}
   %w = f32[] while(%r), condition=%cond, body=%body
   %c = f32[] call(%w), to_apply=%small
-  %t = (f32[]) tuple(%c)
+  %l = f32[] call(%c), to_apply=%big, frontend_attributes={xla_cpu_small_call="true"}
+  %t = (f32[]) tuple(%l)
   ROOT %g = f32[] get-tuple-element(%t), index=0
 }
 """
@@ -571,6 +573,7 @@ ENTRY %main (x: f32[], i: s32[]) -> f32[] {
     "compare": 1,
     "exponential": 1,
     "negate": 1,  # in the called computation
+    "call": 1,  # the small call, not the three kernels of %big
   }
   # A real compiled step: ours launches more kernels than plain adam.
   result = overhead.main(["--dims", "16,32,4", "--kernels", "--update-only"])

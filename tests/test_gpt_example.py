@@ -2,12 +2,12 @@
 ZeRO-1 as 2 processes x 4 CPU devices."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import time
 
+import _child_env
 import _mp_child
 import gpt
 import numpy as np
@@ -40,8 +40,9 @@ ZERO1_FLAGS = [
 
 def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
   # As a user runs it: a fresh process whose 8 CPU devices come from the
-  # example's own jax_num_cpu_devices, not from the test session's XLA_FLAGS.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # example's own jax_num_cpu_devices, not from the test session's XLA_FLAGS
+  # (whose code generation flags it keeps: its losses are compared below).
+  env = _child_env.child_env()
   script = str(ROOT / "examples" / "gpt.py")
   start = time.monotonic()
   subprocess.run(

@@ -1,11 +1,11 @@
 """The memory table against the compiled step, and the HLO collective parser."""
 
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
+import _child_env
 import gpt_model
 import jax
 import jax.numpy as jnp
@@ -123,7 +123,7 @@ def test_collective_parser_on_hlo_lines():
 def test_memory_table_script():
   # A script of its own (it configures JAX's devices), so a child process.
   script = str(ROOT / "benchmarks" / "memory_table.py")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = _child_env.child_env()
   args = ["--model", "tiny-gpt", "--preset", "fp16-true", "--mesh"]
   done = subprocess.run(
     [sys.executable, script, *args, "data=4,model=2"],

@@ -202,10 +202,13 @@ def test_resnet_zero1_accumulation_equals_a_reference_without_the_builder(
   plan, state, losses, metrics, stats = ours
   assert not np.isfinite(losses[2]) and not np.isfinite(ref_losses[2])
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+  # Sharded and accumulated, the float32 sums round differently; Adam
+  # turns that into at most 1e-5 of a param after 4 steps of lr 3e-3
+  # (3.2e-6 seen), where a wrong step moves params by thousandths.
   for a, b in zip(
     jax.tree.leaves(state.params), jax.tree.leaves(ref_params), strict=True
   ):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5)
   for ours_i, ref_i in zip(stats, ref_stats, strict=True):
     for a, b in zip(
       jax.tree.leaves(ours_i), jax.tree.leaves(ref_i), strict=True
