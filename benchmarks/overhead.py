@@ -528,8 +528,9 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
   is one kernel), and of a conditional its largest branch (the step that
   updates), of a while loop its condition and body once, of a call or an
   async start what it calls; a call XLA:CPU marks small
-  (`xla_cpu_small_call`, which its legacy emitters give a scatter's loop)
-  runs as one kernel. A kernel's bytes are its operands' sizes and
+  (`xla_cpu_small_call`: it hoists small while loops into such calls, every
+  scatter's loop with its elemental emitters) runs as one kernel. A
+  kernel's bytes are its operands' sizes and
   its result's summed: what it moves if it reads each operand once, exact
   for elementwise kernels, an upper bound for those that read a slice."""
   comps, name = {}, None

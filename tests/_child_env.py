@@ -8,8 +8,9 @@ def child_env() -> dict[str, str]:
 
   The child configures its devices as a user's script does
   (`jax_num_cpu_devices`); the rest of XLA_FLAGS (conftest.py's code
-  generation flags) stays, so the child compiles as the session does and
-  their results can be compared.
+  generation flags) stays, so the child compiles as the session and
+  `jmp_train.distributed.launch`'s children do, and their results can be
+  compared.
   """
   flags = os.environ.get("XLA_FLAGS", "").split()
   kept = [f for f in flags if "xla_force_host_platform_device_count" not in f]

@@ -4,8 +4,8 @@ process: resume a train state, die mid-save, or exit right after a save."""
 import os
 import sys
 
-# Added to, not replaced: test_checkpoint.py imports this module, and the
-# flags a user set for the test session must survive that import.
+# Added to, not replaced, and the platform only defaulted: test_checkpoint.py
+# imports this module, and what the test session set must survive that.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()

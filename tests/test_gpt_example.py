@@ -39,9 +39,10 @@ ZERO1_FLAGS = [
 
 
 def test_gpt_example_zero1_accum_fp8_on_one_and_two_processes(tmp_path):
-  # As a user runs it: a fresh process whose 8 CPU devices come from the
-  # example's own jax_num_cpu_devices, not from the test session's XLA_FLAGS
-  # (whose code generation flags it keeps: its losses are compared below).
+  # A fresh process whose 8 CPU devices come from the example's own
+  # jax_num_cpu_devices, as when a user runs it, not from the test session's
+  # XLA_FLAGS. It keeps the session's code generation flags, as the two
+  # processes launched below do: their losses are compared.
   env = _child_env.child_env()
   script = str(ROOT / "examples" / "gpt.py")
   start = time.monotonic()
