@@ -321,9 +321,14 @@ def test_integers_booleans_and_constants_that_would_overflow():
 
   # A program constant does not widen (0.1 with a bfloat16 product stays
   # bfloat16), unless the narrow dtype would make it inf: -1e30 in float16.
+  # (An epsilon float16 can hold, as 1e-5 is, stays float16 too.)
   scaled = lambda w, x: (x @ w) * 0.1  # noqa: E731
   assert ("mul", ("bfloat16", "bfloat16")) in _all_operands(
     autocast(scaled, BF16), W, X
+  )
+  eps = lambda w, x: (x @ w) + 1e-5  # noqa: E731
+  assert ("add", ("float16", "float16")) in _all_operands(
+    autocast(eps, "p=f32,c=f16,o=f32"), W, X
   )
   floor = lambda w, x: jnp.minimum(x @ w, -1e30)  # noqa: E731
   np.testing.assert_array_equal(
@@ -336,6 +341,17 @@ def test_integers_booleans_and_constants_that_would_overflow():
   np.testing.assert_array_equal(
     autocast(take, "p=f32,c=f16,o=f32")(W, X)[1], np.full(4, -1e30, f32)
   )
+  # Nor one the narrow dtype would make zero: 1e-9 in float16 (whose least
+  # subnormal is 6e-8). The matmul still runs in float16, the rest in
+  # float32, as by hand.
+  tiny = lambda w, x: (x @ w) * 1e-9 * 1e9  # noqa: E731
+  f16 = jnp.float16
+  by_hand = (X.astype(f16) @ W.astype(f16)).astype(f32) * f32(1e-9) * f32(1e9)
+  got = autocast(tiny, "p=f32,c=f16,o=f32")(W, X)
+  assert np.all(np.abs(by_hand) > 0)
+  np.testing.assert_allclose(got, by_hand, rtol=1e-6)
+  ratio = lambda w, x: (x @ w) / 1e-9  # noqa: E731
+  assert np.all(np.isfinite(autocast(ratio, "p=f32,c=f16,o=f32")(W, X)))
 
 
 def test_what_the_program_asks_for_wins():

@@ -93,6 +93,39 @@ def test_every_matmul_in_compute_dtype_and_output_dtype():
   assert int(model.user.calls[...]) == 1
 
 
+class TiedLM(nnx.Module):
+  """A tied output head as people write it, reading the embedding through
+  the array attributes nnx.Variable forwards (`.T`, `.reshape`, `.dtype`)."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(11, 4, rngs=rngs)
+    self.proj = nnx.Param(jnp.full((2, 2, 4), 0.25, jnp.float32))
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    h = h @ self.proj.reshape(4, 4).astype(self.proj.dtype)
+    return h @ self.embed.embedding.T
+
+
+def test_array_attributes_of_a_param_read_in_the_compute_dtype():
+  tokens = jnp.arange(6).reshape(2, 3)
+  model = mp_nnx.wrap(TiedLM(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  graphdef, state = nnx.split(model)
+  dtypes = primitive_operand_dtypes(
+    lambda state: nnx.merge(graphdef, state)(tokens), state
+  )
+  assert dtypes == [("bfloat16", "bfloat16")] * 2  # proj, tied head
+  # The same sums by hand, in bf16 from the float32 params.
+  table = np.asarray(model.embed.embedding[...], np.float32)
+  bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+  h = bf16(table[np.asarray(tokens)]) @ bf16(np.full((4, 4), 0.25))
+  want = (h @ bf16(table.T)).astype(jnp.float32)
+  np.testing.assert_array_equal(model(tokens), want)
+  # Outside a call the param reads as stored.
+  assert model.embed.embedding.dtype == jnp.float32
+  assert model.embed.embedding.T.dtype == jnp.float32
+
+
 def test_norm_computes_in_float32_and_returns_compute_dtype():
   seen = {}
 

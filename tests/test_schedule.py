@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import primitive_operand_dtypes
 
 import jmp_train
 from jmp_train import schedule
@@ -230,3 +231,46 @@ def test_nnx_model_and_optimizer_switch_in_place():
     nnx.state(model)
   )
   assert "bf16" not in str(dots)
+
+
+def test_nnx_fp8_follows_the_preset():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(4, 8, rngs=rngs)
+      self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.relu(self.l1(x)))
+
+  x = jnp.ones((2, 4), jnp.float32)
+
+  def dots(model):  # each matmul's operand dtypes, read from the jaxpr
+    graphdef, state = nnx.split(model)
+    run = lambda s: nnx.merge(graphdef, s)(x)  # noqa: E731
+    return set(primitive_operand_dtypes(run, state))
+
+  def wrapped(name):
+    preset = jmp_train.get_preset(name)
+    model = jmp_train.nnx.wrap(Net(nnx.Rngs(0)), preset.policy, fp8=preset.fp8)
+    tx = preset.mixed_precision(optax.adam(1e-3))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  e4m3 = {("float8_e4m3fn", "float8_e4m3fn")}
+  # Out of FP8: the preset has no recipe.
+  model, optimizer = wrapped("bf16-fp8-mixed")
+  assert dots(model) == e4m3
+  schedule.adjust_nnx_precision(model, optimizer, "fp32")
+  assert dots(model) == {("float32", "float32")}
+  assert not hasattr(model.l1, "fp8_meta")
+  # Into FP8: the preset's recipe, with fresh state.
+  model, optimizer = wrapped("bf16-mixed")
+  schedule.adjust_nnx_precision(model, optimizer, "bf16-fp8-mixed")
+  assert dots(model) == e4m3
+  recipe = jmp_train.get_preset("bf16-fp8-mixed").fp8
+  assert model.l1.fp8_meta.get_value().recipe == recipe
+  # The same recipe under another policy keeps the FP8 state itself.
+  meta = model.l1.fp8_meta
+  schedule.adjust_nnx_precision(model, optimizer, "fp16-fp8-mixed")
+  assert model.l1.fp8_meta is meta and dots(model) == e4m3

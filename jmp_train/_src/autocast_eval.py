@@ -71,8 +71,8 @@ def _promoted(values: list, atoms: list) -> np.dtype | None:
   Constants of the program (jaxpr literals: `0.0` in `max(x, 0.0)`, an
   epsilon) and weak-typed values count only when every float operand is one,
   as a Python scalar does in JAX's promotion; except a constant that the
-  dtype would turn from finite into inf (`-1e30` in float16), which widens
-  it instead.
+  dtype would turn from finite into inf (`-1e30` in float16) or from nonzero
+  into zero (`1e-9` in float16), which widens it instead.
   """
   floats = [
     (v, a)
@@ -90,7 +90,7 @@ def _promoted(values: list, atoms: list) -> np.dtype | None:
     jnp.promote_types, strong or [_dtype(v) for v, _ in floats]
   )
   for _, a in floats:
-    if isinstance(a, jex_core.Literal) and _overflows(a.val, dtype):
+    if isinstance(a, jex_core.Literal) and _lost(a.val, dtype):
       dtype = jnp.promote_types(dtype, np.asarray(a.val).dtype)
   return np.dtype(dtype)
 
@@ -209,21 +209,23 @@ def _eval_eqn(eqn: Any, invals: list, config: Config) -> Any:
   if dtype is None:
     return _bind(eqn, invals)
   fill = eqn.params.get("fill_value")  # gather's, for out-of-bounds rows
-  if fill is not None and _overflows(fill, dtype):
+  if fill is not None and _lost(fill, dtype):
     return as_written()
   return _bind(eqn, [cast(x, dtype) for x in invals])
 
 
-def _overflows(value: Any, dtype: Any) -> bool:
-  """Whether finite `value` becomes inf in `dtype` (-1e30 in float16)."""
+def _lost(value: Any, dtype: Any) -> bool:
+  """Whether `dtype` turns finite `value` into inf (-1e30 in float16) or a
+  nonzero one into zero (1e-9 in float16): a floor of -1e30 or a division
+  by 1e-9 would then give inf, a product with 1e-9 zeros."""
   value = np.asarray(value)
   if not jnp.issubdtype(value.dtype, jnp.floating):
     return False
-  with np.errstate(over="ignore"):
-    return bool(
-      np.all(np.isfinite(value))
-      and not np.all(np.isfinite(value.astype(dtype)))
-    )
+  with np.errstate(over="ignore", under="ignore"):
+    narrow = value.astype(dtype)
+    overflows = np.isfinite(value) & ~np.isfinite(narrow)
+    flushed = (value != 0) & (narrow == 0)
+  return bool(np.all(np.isfinite(value)) and np.any(overflows | flushed))
 
 
 def _explicit_precision(precision: Any) -> bool:

@@ -31,8 +31,9 @@ Its variables keep their structure, and afterwards:
 How: the model's class, and the class of each overridden module inside it, is
 swapped for a cached subclass whose public methods apply the policy, and each
 float param's class for a cached subclass of its own (still an `nnx.Param`)
-whose `get_value` casts to the running module's compute dtype while a wrapped
-call is running, like linen's `self.param`; an FP8 layer's class for one
+whose `get_value` (and the array attributes it forwards, `.T`, `.reshape`)
+casts to the running module's compute dtype while a wrapped call is running,
+like linen's `self.param`; an FP8 layer's class for one
 whose `dot_general` (`einsum_op`) is the FP8 matmul. Nothing but an FP8
 layer's `fp8_meta` (see `fp8_nnx.py`) is written during a call, so
 `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.grad`, `nnx.Optimizer` and plain
@@ -257,6 +258,17 @@ def _cast_on_read(self, **kwargs):
   if not policies:
     return value
   return policy_lib.cast_floating(value, policies[-1].compute_dtype)
+
+
+def _attribute_on_read(self, name: str) -> Any:
+  # nnx.Variable forwards an attribute it lacks (`.T`, `.reshape`,
+  # `.astype`, `.dtype`) to its stored value, past `get_value`: read it from
+  # `get_value` instead, so `h @ self.embed.embedding.T` is cast as
+  # `self.embed.embedding[...]` is.
+  metadata = object.__getattribute__(self, "_var_metadata")
+  if name in metadata:
+    return metadata[name]
+  return getattr(self.get_value(), name)
 
 
 def _policy_methods(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
@@ -500,6 +512,10 @@ def wrap(
     param.set_value(
       policy_lib.cast_floating(param.get_value(), config.policy.param_dtype)
     )
-    cls = _subclass(type(param), "param", {"get_value": _cast_on_read})
+    cls = _subclass(
+      type(param),
+      "param",
+      {"get_value": _cast_on_read, "__getattr__": _attribute_on_read},
+    )
     object.__setattr__(param, "__class__", cls)
   return model

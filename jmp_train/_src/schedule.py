@@ -198,13 +198,17 @@ def adjust_nnx_precision(
 ) -> None:
   """`adjust_precision` for Flax NNX: converts `model` and `optimizer` in place.
 
-  Re-wraps `model` under `preset.policy` (`jmp_train.nnx.wrap`, with the
-  `overrides`, `methods` and `respect_dtype_fields` it was last wrapped with;
+  Re-wraps `model` under `preset.policy` and with `preset.fp8`
+  (`jmp_train.nnx.wrap`, with the `overrides`, `methods`,
+  `respect_dtype_fields` and `fp8_exclude` it was last wrapped with;
   `overrides` replaces those), gives each param its float32 value in its new
-  dtype, and
-  replaces `optimizer.opt_state` (an `nnx.Optimizer` over `mixed_precision`)
-  with the converted state; `optimizer.step` and its transformation are kept.
-  Call it between steps: a jitted step retraces once.
+  dtype, and replaces `optimizer.opt_state` (an `nnx.Optimizer` over
+  `mixed_precision`) with the converted state; `optimizer.step` and its
+  transformation are kept. FP8 follows the preset: a preset without a
+  recipe turns it off, the recipe the model has keeps its FP8 history,
+  another starts afresh (a recipe of your own rides in
+  `dataclasses.replace(preset, fp8=recipe)`). Call it between steps: a
+  jitted step retraces once.
   """
   from flax import nnx as flax_nnx
   from flax.nnx.training.optimizer import to_opt_state
@@ -218,6 +222,9 @@ def adjust_nnx_precision(
   arguments = mp_nnx.wrap_arguments(model)  # as the model was wrapped
   if overrides is not None:
     arguments["overrides"] = overrides
+  # The preset's recipe, not the last wrap's: bf16-fp8-mixed to fp32 must
+  # leave FP8, and bf16-mixed to bf16-fp8-mixed enter it.
+  arguments["fp8"] = preset.fp8
   mp_nnx.wrap(model, preset.policy, **arguments)  # the new storage dtypes
   dtypes = flax_nnx.as_pure(flax_nnx.state(model, wrt))
   new_params, new_state = adjust_precision(
