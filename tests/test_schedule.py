@@ -274,3 +274,12 @@ def test_nnx_fp8_follows_the_preset():
   meta = model.l1.fp8_meta
   schedule.adjust_nnx_precision(model, optimizer, "fp16-fp8-mixed")
   assert model.l1.fp8_meta is meta and dots(model) == e4m3
+  # An optimizer over every variable would gain or lose the FP8 state:
+  # refused before the model changes.
+  model, _ = wrapped("bf16-mixed")
+  tx = jmp_train.get_preset("bf16-mixed").mixed_precision(optax.adam(1e-3))
+  broad = nnx.Optimizer(model, tx, wrt=nnx.Variable)
+  with pytest.raises(ValueError, match=r"wrt .* also selects the FP8 state"):
+    schedule.adjust_nnx_precision(model, broad, "bf16-fp8-mixed")
+  assert dots(model) == {("bfloat16", "bfloat16")}
+  assert not hasattr(model.l1, "fp8_meta")

@@ -225,7 +225,7 @@ def _lost(value: Any, dtype: Any) -> bool:
     narrow = value.astype(dtype)
     overflows = np.isfinite(value) & ~np.isfinite(narrow)
     flushed = (value != 0) & (narrow == 0)
-  return bool(np.all(np.isfinite(value)) and np.any(overflows | flushed))
+  return bool(np.any(overflows | flushed))
 
 
 def _explicit_precision(precision: Any) -> bool:

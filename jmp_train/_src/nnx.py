@@ -264,10 +264,13 @@ def _attribute_on_read(self, name: str) -> Any:
   # nnx.Variable forwards an attribute it lacks (`.T`, `.reshape`,
   # `.astype`, `.dtype`) to its stored value, past `get_value`: read it from
   # `get_value` instead, so `h @ self.embed.embedding.T` is cast as
-  # `self.embed.embedding[...]` is.
+  # `self.embed.embedding[...]` is. Private names, metadata and attributes
+  # the value lacks (a `hasattr` probe) stay flax's, with no cast.
+  variable_getattr = super(type(self), self).__getattr__
   metadata = object.__getattribute__(self, "_var_metadata")
-  if name in metadata:
-    return metadata[name]
+  if name.startswith("_") or name in metadata:
+    return variable_getattr(name)
+  variable_getattr(name)  # AttributeError as flax raises it
   return getattr(self.get_value(), name)
 
 

@@ -211,8 +211,10 @@ def adjust_nnx_precision(
   jitted step retraces once.
   """
   from flax import nnx as flax_nnx
+  from flax.nnx import filterlib
   from flax.nnx.training.optimizer import to_opt_state
 
+  from jmp_train._src import fp8_nnx
   from jmp_train._src import nnx as mp_nnx
 
   preset = _as_preset(preset)
@@ -224,6 +226,18 @@ def adjust_nnx_precision(
     arguments["overrides"] = overrides
   # The preset's recipe, not the last wrap's: bf16-fp8-mixed to fp32 must
   # leave FP8, and bf16-mixed to bf16-fp8-mixed enter it.
+  if arguments.get("fp8") != preset.fp8:
+    meta = fp8_nnx.Fp8Meta(jnp.zeros(()))
+    if filterlib.to_predicate(wrt)((), meta):
+      # Checked before anything changes: the FP8 state would join or leave
+      # the optimizer's params.
+      raise ValueError(
+        f"adjust_nnx_precision: optimizer.wrt ({wrt!r}) also selects the "
+        "FP8 state (jmp_train.nnx.Fp8Meta), which preset "
+        f"{preset.name!r} would add, remove or replace (fp8 "
+        f"{arguments.get('fp8')!r} -> {preset.fp8!r}); build the "
+        "nnx.Optimizer with wrt=nnx.Param."
+      )
   arguments["fp8"] = preset.fp8
   mp_nnx.wrap(model, preset.policy, **arguments)  # the new storage dtypes
   dtypes = flax_nnx.as_pure(flax_nnx.state(model, wrt))
