@@ -6,9 +6,9 @@ import tempfile
 
 # XLA:CPU's code generation for the suite's programs: LLVM at -O0 and the
 # elemental emitters instead of the MLIR fusion emitters. The suite's
-# thousands of small programs compile about three times faster (a one-layer
-# GPT's ZeRO-1 step: 2.1 s against 7.1 s); their kernels run slower, but the
-# whole suite takes under half the time. XLA's HLO optimizations still run,
+# thousands of small programs compile about four times faster (README.md,
+# "The two commands", has the compile report's figures); their kernels run
+# slower, but the whole suite takes under half the time. XLA's HLO optimizations still run,
 # though scatters become loops and kernels are fused differently; float
 # results may differ in the last bits (the order of a sum, a fused
 # multiply-add), as they do between backends.
