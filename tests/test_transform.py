@@ -616,6 +616,8 @@ def test_chain_around_mixed_precision_is_refused_with_the_fix():
     # Inside it, optax's wrappers see unscaled float32 gradients.
     jmp_train.mixed_precision(optax.MultiSteps(optax.sgd(0.1), 2)),
     jmp_train.mixed_precision(optax.masked(optax.sgd(0.1), {"w": True})),
+    # A masked step's updates are zeros and the inner state passes through.
+    optax.conditionally_mask(sgd(), lambda step: step % 2 == 0),
   ]
   for tx in fine:
     assert float(jmp_train.current_loss_scale(tx.init(params))) == 1.0
@@ -692,6 +694,49 @@ def test_apply_if_finite_outside_delays_the_backoff_and_is_refused():
   assert scales == [2.0**8, 2.0**8, 2.0**7, 2.0**6]  # torch's: 128 at once
   assert int(state.inner_state.skipped_steps) == 2  # of 4
   assert_refused(state, "drop apply_if_finite")
+
+
+def test_lookahead_outside_moves_params_on_a_skipped_step_and_is_refused():
+  # float32 params (no masters): step 0 is finite, step 1 overflows and is
+  # skipped, but it ends lookahead's sync period, and the sync moves the
+  # fast params to slow + 0.5 * (fast - slow) all the same.
+  mp = jmp_train.mixed_precision(
+    optax.sgd(1.0), loss_scale=jmp_train.dynamic_loss_scale(2.0**8)
+  )
+  tx = optax.lookahead(mp, sync_period=2, slow_step_size=0.5)
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones(2)})
+  state = tx.init(params)
+  for grad in (2.0**8 * 0.25, np.inf):
+    updates, state = tx.update({"w": jnp.full(2, grad)}, state, params)
+    params = optax.apply_updates(params, updates)
+  assert not bool(state.fast_state.last_step_finite)
+  # By hand: the finite step took w to 1 - 0.25; the sync halves the way back.
+  np.testing.assert_array_equal(params.fast["w"], [0.875, 0.875])
+  assert_refused(state, "lookahead.*not supported")
+  # bf16 params with float32 masters: the next step rebuilds the params from
+  # masters that never saw the sync, undoing it.
+  # Plain optax in float32 (every value here is exact in bfloat16 too).
+  runs = {}
+  for name, dtype, inner in (
+    ("plain", jnp.float32, optax.sgd(1.0)),
+    ("mixed", jnp.bfloat16, jmp_train.mixed_precision(optax.sgd(1.0))),
+  ):
+    tx = optax.lookahead(inner, sync_period=1, slow_step_size=0.5)
+    params = optax.LookaheadParams.init_synced({"w": jnp.ones(2, dtype)})
+    state = tx.init(params)
+    for _ in range(2):
+      grads = {"w": jnp.full(2, 0.25, dtype)}
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    runs[name] = (params, state)
+  # 1 -> 0.875 after the first synced step, then 0.875 + 0.5 * (0.625 -
+  # 0.875) = 0.75; the masters went 1 -> 0.75 -> 0.5, so the second step
+  # started from 0.75, not 0.875: 0.875 + 0.5 * (0.5 - 0.875) = 0.6875.
+  np.testing.assert_array_equal(runs["plain"][0].fast["w"], [0.75, 0.75])
+  params, state = runs["mixed"]
+  np.testing.assert_array_equal(state.fast_state.master_params["w"], [0.5] * 2)
+  np.testing.assert_array_equal(params.fast["w"].astype(float), [0.6875] * 2)
+  assert_refused(state, "lookahead.*not supported")
 
 
 def test_multisteps_outside_never_recovers_from_one_overflow():

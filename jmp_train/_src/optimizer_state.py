@@ -7,8 +7,9 @@ train step, checkpoints) call `find_state`, which finds the one
 checks that `mixed_precision` is the outermost transformation: no neighbour
 in a chain, and no optax wrapper that changes what it sees or what it
 returns (`MultiSteps`, `masked`, `partition`/`multi_transform`,
-`conditionally_transform`, `apply_if_finite`). optax gives `update` no view
-of its neighbours, so the order is checked where the state is read.
+`conditionally_transform`, `lookahead`, `apply_if_finite`). optax gives
+`update` no view of its neighbours, so the order is checked where the state
+is read.
 """
 
 from __future__ import annotations
@@ -149,6 +150,15 @@ _WRAPPER_PROBLEMS = {
     "passes the scaled gradients through as updates on the steps it does "
     "not transform. Put it inside: mixed_precision("
     "optax.conditionally_transform(optimizer, should_transform_fn))."
+  ),
+  optax.LookaheadState: (
+    "optax.lookahead(mixed_precision(...)) moves the fast params to the "
+    "slow ones at each sync without mixed_precision: a sync on a skipped "
+    "step moves the params, and the next step rebuilds them from master "
+    "weights (or remainders, a Kahan compensation) that never saw the sync "
+    "(with reset_state=True the sync also resets the loss scale and its "
+    "counters). lookahead cannot go inside either (its updates are "
+    "LookaheadParams): not supported."
   ),
   optax.ApplyIfFiniteState: (
     "optax.apply_if_finite(mixed_precision(...)) keeps non-finite steps "

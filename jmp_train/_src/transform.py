@@ -426,8 +426,8 @@ def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
   Finds the `mixed_precision` state wherever it sits: in a one-element
   `optax.chain`, `optax.inject_hyperparams`, an `nnx.Optimizer` or any pytree
   of states. Raises ValueError where it is not outermost (a neighbour in a
-  chain; `optax.MultiSteps`, `masked`, `partition`, `conditionally_transform`
-  or `apply_if_finite` around it): the message says where it goes.
+  chain; `optax.MultiSteps`, `masked`, `partition`, `conditionally_transform`,
+  `lookahead` or `apply_if_finite` around it): the message says where it goes.
   """
   scaler = find_state(opt_state).loss_scaler
   return jnp.asarray(scaler.loss_scale, jnp.float32)
