@@ -739,6 +739,30 @@ def test_lookahead_outside_moves_params_on_a_skipped_step_and_is_refused():
   assert_refused(state, "lookahead.*not supported")
 
 
+def test_conditionally_mask_outside_leaves_everything_on_masked_steps():
+  mp = jmp_train.mixed_precision(
+    optax.adam(0.1), loss_scale=jmp_train.dynamic_loss_scale(2.0**8)
+  )
+  tx = optax.conditionally_mask(mp, lambda step: step != 1)
+  # Below float32, optax's cond refuses our float32 deltas beside its zeros
+  # in the gradients' dtype: an error, not a wrong result.
+  half = {"w": jnp.ones(3, jnp.bfloat16)}
+  with pytest.raises(TypeError, match="dtypes do not match"):
+    tx.update(half, tx.init(half), half)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  for i, grad in enumerate((1.0, 3.0, np.inf)):
+    before = (params, state.inner_state)
+    grads = {"w": jnp.full(3, 2.0**8 * grad)}
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    if i == 1:  # masked: nothing moved, not even the counters
+      chex.assert_trees_all_equal((params, state.inner_state), before)
+  assert jmp_train.train_metrics(state)["steps"] == 2  # steps 0 and 2
+  assert jmp_train.train_metrics(state)["skipped_steps"] == 1  # the inf
+  assert float(jmp_train.current_loss_scale(state)) == 2.0**7
+
+
 def test_multisteps_outside_never_recovers_from_one_overflow():
   # Why optax.MultiSteps(mixed_precision(...)) is refused, run by hand (the
   # scale read off the state, past the check): optax resets its accumulator
