@@ -123,13 +123,57 @@ def test_static_scale_never_at_minimum_and_bad_streak():
 
 
 def _np_fractions(x, scale, fp8_max, dtype):
-  """Fractions saturated and flushed, by the written rule, in NumPy."""
+  """Fractions saturated and flushed, by the written rule, in NumPy:
+  saturated where the clip changes the value ml_dtypes rounds to."""
   y = np.asarray(x, np.float32) * np.float32(scale)  # the product in f32
   q = np.clip(y, -fp8_max, fp8_max).astype(dtype).astype(np.float32)
+  unclipped = y.astype(dtype).astype(np.float32)  # NaN or inf past the range
   nonzero = x != 0
-  saturated = np.mean(np.abs(y) > fp8_max)
+  saturated = np.mean(unclipped != q)
   flushed = np.sum(nonzero & (q == 0)) / max(nonzero.sum(), 1)
   return saturated, flushed
+
+
+def test_a_product_that_rounds_to_fp8_max_is_not_saturated():
+  import ml_dtypes
+
+  from jmp_train import fp8
+
+  # fp8_max / amax rounds up in float32 for this amax, in E4M3 and in E5M2:
+  # amax * scale is a hair above fp8_max, and rounds to it with or without
+  # the clip. Only products past 464 (E4M3) or from 61440 (E5M2) are
+  # changed by the clip.
+  amax = np.float32(0.205078125)
+  x = np.array([[amax, 0.1, -0.05, 0.0]], np.float32)
+  w = np.diag(np.float32([0.5, 2.0, 2.0, 2.0]))
+  dims = (((1,), (0,)), ((), ()))
+  recipe = fp8.CurrentScaling(statistics=True)  # hybrid: E5M2 gradients
+
+  def forward(amax_grads):
+    y = fp8.fp8_dot_general(
+      jnp.asarray(x),
+      jnp.asarray(w),
+      dims,
+      scale=jnp.ones(3),
+      amax=amax_grads,
+      recipe=recipe,
+    )
+    return jnp.sum(y * jnp.asarray(x))  # the output gradient is x again
+
+  stats = np.asarray(jax.jit(jax.grad(forward))(jnp.zeros((3, 3))))
+  for row, dtype, fp8_max in (
+    (0, ml_dtypes.float8_e4m3fn, 448.0),  # the input
+    (2, ml_dtypes.float8_e5m2, 57344.0),  # the output gradient
+  ):
+    scale = np.float32(fp8_max) / amax
+    assert amax * scale > fp8_max
+    assert _np_fractions(x, scale, fp8_max, dtype)[0] == 0.0
+    assert stats[row, 0] == amax and stats[row, 1] == 0.0, (row, stats)
+  # The reference still counts what the clip changes.
+  e4m3, e5m2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+  assert _np_fractions(np.float32([464.0, 464.1]), 1.0, 448.0, e4m3)[0] == 0.5
+  over = np.float32([61439.996, 61440.0])
+  assert _np_fractions(over, 1.0, 57344.0, e5m2)[0] == 0.5
 
 
 @pytest.mark.parametrize("name", ["delayed", "current"])

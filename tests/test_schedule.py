@@ -129,6 +129,61 @@ def test_fp32_to_bf16_true_makes_exact_masters_per_param_dtypes():
   )
 
 
+def test_zero1_state_is_refused_padded_and_adjusts_logical():
+  from jax.sharding import AxisType
+
+  from jmp_train import train, zero1
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  rng = np.random.default_rng(0)
+  values = {  # 5 x 3 and 3 values: ZeRO-1 pads both to 8 rows on 8 devices
+    "kernel": rng.standard_normal((5, 3)).astype(np.float32),
+    "bias": rng.standard_normal(3).astype(np.float32),
+  }
+  for name, new in (("bf16-true", "fp32"), ("fp32", "bf16-true")):
+    preset = jmp_train.get_preset(name)
+    params = jax.tree.map(
+      lambda v, d=preset.policy.param_dtype: jnp.asarray(v, d), values
+    )
+    tx = preset.mixed_precision(optax.adam(1e-3))
+    plan = zero1.make_plan(tx, params, mesh)
+    state = train.TrainState.create(params=params, tx=tx, plan=plan)
+    # bf16-true: padded float32 masters; fp32: no masters, padded moments.
+    what = "master weight" if name == "bf16-true" else "optimizer state"
+    with pytest.raises(
+      ValueError, match=rf"{what} .* has shape \(8,?.*to_logical"
+    ):
+      schedule.adjust_precision(state.params, state.opt_state, new)
+    logical = zero1.to_logical(plan, state)
+    got, opt_state = schedule.adjust_precision(
+      logical.params, logical.opt_state, new
+    )
+    # Each param's float32 value, cast to the new param dtype (NumPy).
+    new_dtype = jmp_train.get_preset(new).policy.param_dtype
+    for key, v in values.items():
+      want = np.asarray(v, preset.policy.param_dtype).astype(new_dtype)
+      assert got[key].shape == v.shape and got[key].dtype == new_dtype
+      np.testing.assert_array_equal(got[key], want)
+    new_tx = jmp_train.get_preset(new).mixed_precision(optax.adam(1e-3))
+    new_plan = zero1.make_plan(new_tx, got, mesh)
+    placed = zero1.place(
+      new_plan, logical.replace(params=got, opt_state=opt_state)
+    )
+    assert jax.tree.structure(placed.opt_state) == jax.tree.structure(
+      new_plan.opt_state
+    )
+  # param_dtypes gives dtypes; shapes that are not the params' are refused.
+  tx = jmp_train.get_preset("fp32").mixed_precision(optax.sgd(0.1))
+  params = _params()
+  wrong = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct((*p.shape, 1), jnp.bfloat16), params
+  )
+  with pytest.raises(ValueError, match="param_dtypes .* has shape"):
+    schedule.adjust_precision(
+      params, tx.init(params), "bf16-true", param_dtypes=wrong
+    )
+
+
 def test_loss_scale_kept_only_for_same_settings_and_found_in_a_chain():
   fp16 = jmp_train.get_preset("fp16-mixed")
   tx = optax.chain(fp16.mixed_precision(optax.sgd(0.1)))

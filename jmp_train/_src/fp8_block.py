@@ -70,7 +70,7 @@ def tile_fractions(
   """`cast_fractions` of `x` quantized by `quantize_tiles` to `q`, `scale`."""
   rows, cols = x.shape[-2:]
   full = jnp.repeat(jnp.repeat(scale, tile[0], axis=-2), tile[1], axis=-1)
-  return cast_fractions(x, full[..., :rows, :cols], q, FP8_MAX[E4M3])
+  return cast_fractions(x, full[..., :rows, :cols], q, E4M3)
 
 
 def _expand(inv: jax.Array, axis: int, tile: int, size: int) -> jax.Array:

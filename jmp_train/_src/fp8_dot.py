@@ -87,7 +87,7 @@ def _channel(cfg: _DotConfig, amax, x, scale, q, dtype):
   """What one tensor sends back through the `amax` gradient."""
   if not cfg.statistics:
     return amax
-  fractions = cast_fractions(x, scale, q, FP8_MAX[dtype])
+  fractions = cast_fractions(x, scale, q, dtype)
   return jnp.concatenate([amax[None], fractions])
 
 

@@ -40,6 +40,13 @@ from jmp_train._src import leaves
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+# The largest float32 that rounds to FP8_MAX (to nearest even): beyond it a
+# product would round past the range, and the clip changes its FP8 value
+# (E4M3: 464 rounds to 448, above it to NaN; E5M2: 61440 rounds to inf).
+LAST_TO_MAX = {
+  E4M3: 464.0,
+  E5M2: float(np.nextafter(np.float32(61440.0), np.float32(0.0))),
+}
 FORMATS = ("hybrid", "e4m3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The largest scale the current and blockwise recipes use: 1 / 2**126 is
@@ -298,18 +305,22 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 
 
 def cast_fractions(
-  x: jax.Array, scale: jax.Array, q: jax.Array, fp8_max: float
+  x: jax.Array, scale: jax.Array, q: jax.Array, dtype: Any
 ) -> jax.Array:
   """float32[2]: the fractions of `x` saturated and flushed by its cast.
 
-  Saturated: finite values with |x * scale| > fp8_max (the product may
-  overflow float32), over all values.
+  Saturated: finite values whose product |x * scale| rounds past the FP8
+  range, so that the clip to +-fp8_max changes their FP8 value (the product
+  may overflow float32), over all values. A product just above fp8_max
+  rounds to it anyway: `448 / amax` rounds up in float32 for about one amax
+  in ten, and the amax itself then lands a hair above 448.
   Flushed: non-zero finite values whose FP8 value `q` is zero, over the
   non-zero values (0 when there are none).
   """
   y = x.astype(jnp.float32) * scale
   finite = jnp.isfinite(x)
-  saturated = jnp.sum(finite & (jnp.abs(y) > fp8_max), dtype=jnp.float32)
+  past = jnp.abs(y) > LAST_TO_MAX[np.dtype(dtype)]
+  saturated = jnp.sum(finite & past, dtype=jnp.float32)
   nonzero = finite & (x != 0)
   flushed = jnp.sum(nonzero & (q.astype(jnp.float32) == 0), dtype=jnp.float32)
   count = jnp.sum(nonzero, dtype=jnp.float32)

@@ -182,7 +182,8 @@ def fp8_statistics(fp8_tree: Any) -> dict[str, jax.Array]:
     last applied step's (current scaling; blockwise: its largest tile's);
   - `amax`: the last applied step's max |value|, over every call of the
     matmul, micro-batch and device;
-  - `saturated`: the fraction of values beyond the FP8 range, clipped;
+  - `saturated`: the fraction of values beyond the FP8 range, whose FP8
+    value the clip changes (see `fp8_recipe.cast_fractions`);
   - `flushed`: the fraction of non-zero values cast to zero.
 
   The fractions need the recipe's `statistics=True` (else they are absent)

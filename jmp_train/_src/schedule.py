@@ -59,6 +59,52 @@ def _full_values(params: Any, masters: Any) -> Any:
   return jax.tree.map(full, params, masters)
 
 
+def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
+  """Refuses state (or `param_dtypes`) shaped unlike the params: the
+  padded layout a ZeRO-1 plan gives the optimizer state."""
+  structure = jax.tree.structure(params)
+  shapes = [np.shape(p) for p in jax.tree.leaves(params)]
+  paths = [
+    leaves.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
+
+  def check(tree: Any, what: str, hint: str) -> None:
+    flat = structure.flatten_up_to(tree)
+    for path, shape, x in zip(paths, shapes, flat, strict=True):
+      # Only arrays and ShapeDtypeStructs: np.dtype and jnp.float32 have a
+      # `shape` attribute too.
+      shaped = isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+      if shaped and tuple(x.shape) != tuple(shape):
+        raise ValueError(
+          f"adjust_precision: {what} for param {path!r} has shape "
+          f"{tuple(x.shape)}, the param {tuple(shape)}. {hint}"
+        )
+
+  zero1_hint = (
+    "A ZeRO-1 state laid out by its plan pads the optimizer state: adjust "
+    "the logical state, logical = zero1.to_logical(plan, state), then lay "
+    "the result out with zero1.place(new_plan, ...)."
+  )
+  check(state.master_params, "the master weight", zero1_hint)
+  # Every subtree of the inner state shaped like the params (Adam's mu and
+  # nu). With one bare array as params every state leaf has its structure,
+  # counts included, so only the masters can be compared.
+  if structure.num_nodes > structure.num_leaves:
+    for node in jax.tree.leaves(
+      state.inner_state,
+      is_leaf=lambda x: x is not None and jax.tree.structure(x) == structure,
+    ):
+      if jax.tree.structure(node) == structure:
+        check(node, "the optimizer state", zero1_hint)
+  if param_dtypes is not None:
+    check(
+      param_dtypes,
+      "param_dtypes",
+      "param_dtypes gives each param's new dtype, not a new shape.",
+    )
+
+
 def _formats_repr(formats: Any) -> str:
   return repr(dict(formats) if isinstance(formats, Mapping) else formats)
 
@@ -106,8 +152,10 @@ def adjust_precision(
     through untouched.
 
   Raises:
-    ValueError: if `param_dtypes` does not have the structure of `params`,
-      or params are stored in FP8 (`jmp_train.fp8.Fp8Param`).
+    ValueError: if `param_dtypes` does not have the structure or the shapes
+      of `params`, params are stored in FP8 (`jmp_train.fp8.Fp8Param`), or
+      the state holds masters or moments shaped unlike their params (a
+      ZeRO-1 state as its plan lays it out: pass `zero1.to_logical`'s).
   """
   preset = _as_preset(preset)
   state = optimizer_state.find_state(opt_state)
@@ -149,6 +197,15 @@ def adjust_precision(
         "Start a new optimizer state with the new preset's transformation, "
         "or stay with the current one."
       )
+  if param_dtypes is not None and (
+    jax.tree.structure(param_dtypes) != jax.tree.structure(params)
+  ):
+    raise ValueError(
+      "adjust_precision: param_dtypes must have the structure of params; "
+      f"got {jax.tree.structure(param_dtypes)} for params "
+      f"{jax.tree.structure(params)}."
+    )
+  _check_logical(params, state, param_dtypes)
   full = _full_values(params, state.master_params)
   if param_dtypes is None:
     target = jax.tree.map(
@@ -159,12 +216,6 @@ def adjust_precision(
     target = jax.tree.map(
       lambda d: np.dtype(getattr(d, "dtype", d)), param_dtypes
     )
-    if jax.tree.structure(target) != jax.tree.structure(params):
-      raise ValueError(
-        "adjust_precision: param_dtypes must have the structure of params; "
-        f"got {jax.tree.structure(param_dtypes)} for params "
-        f"{jax.tree.structure(params)}."
-      )
 
   def new_param(x, dtype):
     if not leaves.is_real_float(x):
