@@ -672,11 +672,11 @@ def test_gradient_dtypes_refuse_what_the_step_cannot_honour():
       r"None, got " + re.escape(repr(bad)),
     ):
       train.make_train_step(_dyadic_loss, tx, grad_reduce_dtype=bad)
-  # Dtype names are dtypes too; without a plan there is no reduction, so
-  # grad_reduce_dtype has nothing to change (and nothing to refuse).
-  train.make_train_step(
-    _dyadic_loss, tx, accum_dtype="bfloat16", grad_reduce_dtype=jnp.bfloat16
-  )
+  # Dtype names are dtypes too.
+  train.make_train_step(_dyadic_loss, tx, accum_dtype="bfloat16")
+  # Without a plan the step has no reduction whose dtype it could set.
+  with pytest.raises(ValueError, match=r"grad_reduce_dtype=.*plan=None"):
+    train.make_train_step(_dyadic_loss, tx, grad_reduce_dtype=jnp.bfloat16)
 
 
 # --- Arguments --------------------------------------------------------------

@@ -295,8 +295,8 @@ def make_train_step(
       the data axis: None (default: their own, or the buffer's when
       accumulating), `jnp.float32` (4 bytes per element, summed in float32)
       or `jnp.bfloat16` (2 bytes per element, summed in float32; the sum is
-      rounded to bfloat16 once more for stage 0's all-gather). Without a
-      plan there is no reduction and the setting has nothing to change.
+      rounded to bfloat16 once more for stage 0's all-gather). Needs a
+      plan: without one the step has no reduction of its own to set.
 
   Returns:
     The jitted step. `metrics` holds the mean loss, the aux metrics and, with
@@ -326,6 +326,15 @@ def make_train_step(
     raise TypeError(
       f"plan must be a jmp_train.zero1.Plan (make_plan(...)) or None, got "
       f"{plan!r}."
+    )
+  if plan is None and reduce_dtype is not None:
+    # A plan-less step fed a batch sharded over devices would still be
+    # reduced, by XLA, in the gradients' own dtype.
+    raise ValueError(
+      f"grad_reduce_dtype={grad_reduce_dtype!r} sets the dtype of the "
+      "step's reduction over the data axis, and plan=None has none: pass a "
+      "plan (zero1.make_plan(tx, params, mesh), zero_stage=0 for plain data "
+      "parallelism) or grad_reduce_dtype=None."
     )
   if plan is None and jax.process_count() > 1:
     raise ValueError(
