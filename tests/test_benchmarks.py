@@ -115,8 +115,7 @@ def test_every_gpu_job_xla_flag_is_one_xla_knows():
     )
     return run.returncode == 0, run.stderr
 
-  # All of them in one start: XLA stops at the first flag it does not know,
-  # and names it.
+  # All of them in one start: XLA names every flag it does not know.
   ok, err = starts(" ".join(sorted(flags)))
   assert ok, (flags, err[-500:])
   ok, err = starts("--xla_gpu_enable_cudnn_layer_nrm=true")  # the check bites

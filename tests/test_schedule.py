@@ -149,9 +149,9 @@ def test_zero1_state_is_refused_padded_and_adjusts_logical():
     plan = zero1.make_plan(tx, params, mesh)
     state = train.TrainState.create(params=params, tx=tx, plan=plan)
     # bf16-true: padded float32 masters; fp32: no masters, padded moments.
-    what = "master weight" if name == "bf16-true" else "optimizer state"
+    what = "master_params/" if name == "bf16-true" else "inner_state/0/mu/"
     with pytest.raises(
-      ValueError, match=rf"{what} .* has shape \(8,?.*to_logical"
+      ValueError, match=rf"{what}.* has shape \(8,?.*to_logical"
     ):
       schedule.adjust_precision(state.params, state.opt_state, new)
     logical = zero1.to_logical(plan, state)
@@ -172,13 +172,21 @@ def test_zero1_state_is_refused_padded_and_adjusts_logical():
     assert jax.tree.structure(placed.opt_state) == jax.tree.structure(
       new_plan.opt_state
     )
+  # An optimizer's own state shaped otherwise is no padding: Adafactor
+  # factors the kernel's second moment into rows and columns, and keeps (1,)
+  # for the bias.
+  params = jax.tree.map(jnp.asarray, values)
+  tx = jmp_train.mixed_precision(optax.adafactor(1e-2))
+  got, _ = schedule.adjust_precision(params, tx.init(params), "bf16-true")
+  for key, v in values.items():
+    np.testing.assert_array_equal(got[key], v.astype(jnp.bfloat16))
   # param_dtypes gives dtypes; shapes that are not the params' are refused.
   tx = jmp_train.get_preset("fp32").mixed_precision(optax.sgd(0.1))
   params = _params()
   wrong = jax.tree.map(
     lambda p: jax.ShapeDtypeStruct((*p.shape, 1), jnp.bfloat16), params
   )
-  with pytest.raises(ValueError, match="param_dtypes .* has shape"):
+  with pytest.raises(ValueError, match="param_dtypes/.* has shape"):
     schedule.adjust_precision(
       params, tx.init(params), "bf16-true", param_dtypes=wrong
     )

@@ -21,6 +21,7 @@ for each step and tells a training loop when to switch.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,49 +60,65 @@ def _full_values(params: Any, masters: Any) -> Any:
   return jax.tree.map(full, params, masters)
 
 
-def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
-  """Refuses state (or `param_dtypes`) shaped unlike the params: the
-  padded layout a ZeRO-1 plan gives the optimizer state."""
-  structure = jax.tree.structure(params)
-  shapes = [np.shape(p) for p in jax.tree.leaves(params)]
-  paths = [
-    leaves.keystr(path)
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-  ]
+def _zero1_padded(shape: tuple, param_shape: tuple) -> bool:
+  """Whether `shape` is `param_shape` as a ZeRO-1 plan stores a leaf it
+  splits: one dimension padded up, the others the param's. (Other states
+  shaped otherwise are an optimizer's own: Adafactor's factored rows,
+  L-BFGS's memory, NovoGrad's per-leaf norms.)"""
+  if len(shape) != len(param_shape):
+    return False
+  grown = [a > b for a, b in zip(shape, param_shape, strict=True)]
+  same = [a == b for a, b in zip(shape, param_shape, strict=True)]
+  return sum(grown) == 1 and sum(same) == len(shape) - 1
 
-  def check(tree: Any, what: str, hint: str) -> None:
+
+def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
+  """Refuses masters, moments or `param_dtypes` shaped unlike the params:
+  above all the padded layout a ZeRO-1 plan gives the optimizer state,
+  whose padded masters would become params of the padded shape."""
+  structure = jax.tree.structure(params)
+  named = jax.tree_util.tree_flatten_with_path(params)[0]
+  zero1_hint = (
+    "A ZeRO-1 state laid out by its plan is padded: adjust the logical "
+    "state, logical = zero1.to_logical(plan, state), then lay the result "
+    "out with zero1.place(new_plan, ...)."
+  )
+
+  def check(tree: Any, where: str, wrong: Any, hint: str) -> None:
     flat = structure.flatten_up_to(tree)
-    for path, shape, x in zip(paths, shapes, flat, strict=True):
+    for (path, p), x in zip(named, flat, strict=True):
       # Only arrays and ShapeDtypeStructs: np.dtype and jnp.float32 have a
       # `shape` attribute too.
       shaped = isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-      if shaped and tuple(x.shape) != tuple(shape):
+      if shaped and wrong(tuple(x.shape), tuple(np.shape(p))):
+        name = leaves.keystr(path)
         raise ValueError(
-          f"adjust_precision: {what} for param {path!r} has shape "
-          f"{tuple(x.shape)}, the param {tuple(shape)}. {hint}"
+          f"adjust_precision: {(where + name).rstrip('/')} has shape "
+          f"{tuple(x.shape)}, and its param {name or '(params)'!r} "
+          f"{tuple(np.shape(p))}. {hint}"
         )
 
-  zero1_hint = (
-    "A ZeRO-1 state laid out by its plan pads the optimizer state: adjust "
-    "the logical state, logical = zero1.to_logical(plan, state), then lay "
-    "the result out with zero1.place(new_plan, ...)."
+  check(
+    state.master_params, "opt_state's master_params/", operator.ne, zero1_hint
   )
-  check(state.master_params, "the master weight", zero1_hint)
-  # Every subtree of the inner state shaped like the params (Adam's mu and
-  # nu). With one bare array as params every state leaf has its structure,
-  # counts included, so only the masters can be compared.
+  # Every subtree of the inner state that has the params' structure (Adam's
+  # mu and nu). With one bare array as params every state leaf has its
+  # structure, counts included, so only the masters can be compared.
   if structure.num_nodes > structure.num_leaves:
-    for node in jax.tree.leaves(
+    for path, node in jax.tree_util.tree_flatten_with_path(
       state.inner_state,
       is_leaf=lambda x: x is not None and jax.tree.structure(x) == structure,
-    ):
+    )[0]:
       if jax.tree.structure(node) == structure:
-        check(node, "the optimizer state", zero1_hint)
+        where = f"opt_state's inner_state/{leaves.keystr(path)}/"
+        check(node, where.replace("//", "/"), _zero1_padded, zero1_hint)
   if param_dtypes is not None:
     check(
       param_dtypes,
-      "param_dtypes",
-      "param_dtypes gives each param's new dtype, not a new shape.",
+      "param_dtypes/",
+      operator.ne,
+      "param_dtypes gives each param's new dtype; where its leaves have "
+      "shapes (arrays, ShapeDtypeStructs), they must be the params'.",
     )
 
 
@@ -154,8 +171,8 @@ def adjust_precision(
   Raises:
     ValueError: if `param_dtypes` does not have the structure or the shapes
       of `params`, params are stored in FP8 (`jmp_train.fp8.Fp8Param`), or
-      the state holds masters or moments shaped unlike their params (a
-      ZeRO-1 state as its plan lays it out: pass `zero1.to_logical`'s).
+      the state holds masters shaped unlike their params or moments padded
+      as a ZeRO-1 plan lays them out (pass `zero1.to_logical`'s state).
   """
   preset = _as_preset(preset)
   state = optimizer_state.find_state(opt_state)
