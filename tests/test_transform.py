@@ -843,11 +843,21 @@ def test_inject_hyperparams_needs_no_static_args_and_honours_the_seed():
   a, b, c = three()["w"], three()["w"], stepper(4)()["w"]
   np.testing.assert_array_equal(a, b)  # reproducible
   assert not np.array_equal(a, c)  # and the seed is used
-  # A numeric loss scale would become a hyperparameter we cannot honour.
+  # A numeric loss scale would become a hyperparameter we cannot honour:
+  # traced, it raises; eagerly, optax stores it in the params' dtype, where
+  # 1001.0 is bfloat16 1000 (checked in NumPy), and a half dtype is refused.
+  floats = {"w": jnp.ones(3)}
   tx = factory(optax.sgd(0.1), loss_scale=128.0)
-  state = tx.init(params)
+  state = tx.init(floats)
   with pytest.raises(TypeError, match=r"static_args=\('loss_scale',\)"):
-    jax.jit(tx.update)(grads, state, params)
+    jax.jit(tx.update)({"w": jnp.ones(3)}, state, floats)
+  assert float(np.asarray(1001.0, jnp.bfloat16)) == 1000.0
+  tx = factory(optax.sgd(0.1), loss_scale=1001.0)
+  with pytest.raises(ValueError, match=r"bfloat16 number.*static_args"):
+    tx.init(params)
+  for half in (jnp.bfloat16(128.0), np.float16(128.0)):  # even exact ones
+    with pytest.raises(ValueError, match="may already be rounded"):
+      jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=half)
   static = optax.inject_hyperparams(
     jmp_train.mixed_precision, static_args=("loss_scale",)
   )(optax.sgd(0.1), loss_scale=128.0)

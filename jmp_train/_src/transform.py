@@ -82,6 +82,16 @@ def as_loss_scale(loss_scale: Any) -> ls_lib.LossScale:
       dtype, jnp.floating
     )
     if real and np.ndim(loss_scale) == 0:
+      if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        # optax.inject_hyperparams, run eagerly, stores a number in the
+        # params' dtype: 1001.0 arrives as bfloat16 1000.
+        raise ValueError(
+          f"loss_scale={loss_scale!r} is a {dtype.name} number, which may "
+          "already be rounded (optax.inject_hyperparams stores numbers in "
+          "the params' dtype: 1001.0 becomes bfloat16 1000). Pass a Python "
+          "number or a float32 one, with static_args=('loss_scale',) under "
+          "inject_hyperparams, or a loss-scale object."
+        )
       return as_loss_scale(ls_lib.StaticLossScale(float(loss_scale)))
   raise TypeError(
     f"loss_scale must be {_LOSS_SCALE_KINDS}, got {loss_scale!r}."
