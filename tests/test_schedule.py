@@ -180,6 +180,15 @@ def test_zero1_state_is_refused_padded_and_adjusts_logical():
   got, _ = schedule.adjust_precision(params, tx.init(params), "bf16-true")
   for key, v in values.items():
     np.testing.assert_array_equal(got[key], v.astype(jnp.bfloat16))
+  # Nor is a factor shaped (m, m) for an (m, n) param, as Shampoo keeps:
+  # its extra columns are not the zeros ZeRO-1 pads with.
+  factors = optax.GradientTransformation(
+    lambda p: jax.tree.map(lambda x: jnp.eye(x.shape[0], dtype=x.dtype), p),
+    lambda u, s, p=None: (u, s),
+  )
+  tx = jmp_train.mixed_precision(optax.chain(factors, optax.sgd(0.1)))
+  got, _ = schedule.adjust_precision(params, tx.init(params), "bf16-true")
+  assert got["kernel"].shape == (5, 3)
   # param_dtypes gives dtypes; shapes that are not the params' are refused.
   tx = jmp_train.get_preset("fp32").mixed_precision(optax.sgd(0.1))
   params = _params()

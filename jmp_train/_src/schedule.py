@@ -21,7 +21,6 @@ for each step and tells a training loop when to switch.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,16 +59,36 @@ def _full_values(params: Any, masters: Any) -> Any:
   return jax.tree.map(full, params, masters)
 
 
-def _zero1_padded(shape: tuple, param_shape: tuple) -> bool:
-  """Whether `shape` is `param_shape` as a ZeRO-1 plan stores a leaf it
-  splits: one dimension padded up, the others the param's. (Other states
+def _zero1_padded(x: Any, param_shape: tuple) -> bool:
+  """Whether `x` looks like a leaf as a ZeRO-1 plan stores it: the param's
+  shape with one non-empty dimension padded up, and zeros in the padding (a
+  padded row's gradient is zero) where the values are concrete. States
   shaped otherwise are an optimizer's own: Adafactor's factored rows,
-  L-BFGS's memory, NovoGrad's per-leaf norms.)"""
+  L-BFGS's memory, NovoGrad's per-leaf norms, a Shampoo factor (m, m) for
+  an (m, n) param (its extra columns are not zeros)."""
+  shape = tuple(x.shape)
   if len(shape) != len(param_shape):
     return False
-  grown = [a > b for a, b in zip(shape, param_shape, strict=True)]
-  same = [a == b for a, b in zip(shape, param_shape, strict=True)]
-  return sum(grown) == 1 and sum(same) == len(shape) - 1
+  grown = [
+    d for d, (a, b) in enumerate(zip(shape, param_shape, strict=True)) if a > b
+  ]
+  same = sum(a == b for a, b in zip(shape, param_shape, strict=True))
+  if len(grown) != 1 or same != len(shape) - 1 or param_shape[grown[0]] == 0:
+    return False
+  if not isinstance(x, (jax.Array, np.ndarray)) or isinstance(
+    x, jax.core.Tracer
+  ):
+    return True  # no values to look at
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return True  # a state spread over processes is laid out by a plan
+  padding = np.take(
+    np.asarray(x), np.arange(param_shape[grown[0]], shape[grown[0]]), grown[0]
+  )
+  return not np.any(padding)
+
+
+def _reshaped(x: Any, param_shape: tuple) -> bool:
+  return tuple(x.shape) != param_shape
 
 
 def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
@@ -79,9 +98,9 @@ def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
   structure = jax.tree.structure(params)
   named = jax.tree_util.tree_flatten_with_path(params)[0]
   zero1_hint = (
-    "A ZeRO-1 state laid out by its plan is padded: adjust the logical "
-    "state, logical = zero1.to_logical(plan, state), then lay the result "
-    "out with zero1.place(new_plan, ...)."
+    "This looks like a ZeRO-1 state as its plan lays it out, padded with "
+    "zeros: adjust the logical state, logical = zero1.to_logical(plan, "
+    "state), then lay the result out with zero1.place(new_plan, ...)."
   )
 
   def check(tree: Any, where: str, wrong: Any, hint: str) -> None:
@@ -90,7 +109,7 @@ def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
       # Only arrays and ShapeDtypeStructs: np.dtype and jnp.float32 have a
       # `shape` attribute too.
       shaped = isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-      if shaped and wrong(tuple(x.shape), tuple(np.shape(p))):
+      if shaped and wrong(x, tuple(np.shape(p))):
         name = leaves.keystr(path)
         raise ValueError(
           f"adjust_precision: {(where + name).rstrip('/')} has shape "
@@ -99,7 +118,7 @@ def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
         )
 
   check(
-    state.master_params, "opt_state's master_params/", operator.ne, zero1_hint
+    state.master_params, "opt_state's master_params/", _reshaped, zero1_hint
   )
   # Every subtree of the inner state that has the params' structure (Adam's
   # mu and nu). With one bare array as params every state leaf has its
@@ -116,7 +135,7 @@ def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
     check(
       param_dtypes,
       "param_dtypes/",
-      operator.ne,
+      _reshaped,
       "param_dtypes gives each param's new dtype; where its leaves have "
       "shapes (arrays, ShapeDtypeStructs), they must be the params'.",
     )
