@@ -312,8 +312,8 @@ def cast_fractions(
   Saturated: finite values whose product |x * scale| rounds past the FP8
   range, so that the clip to +-fp8_max changes their FP8 value (the product
   may overflow float32), over all values. A product just above fp8_max
-  rounds to it anyway: `448 / amax` rounds up in float32 for about one amax
-  in ten, and the amax itself then lands a hair above 448.
+  rounds to it anyway: `448 / amax` rounds up in float32 for some amaxes,
+  and the amax itself then lands a hair above 448.
   Flushed: non-zero finite values whose FP8 value `q` is zero, over the
   non-zero values (0 when there are none).
   """
