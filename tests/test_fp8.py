@@ -1,6 +1,7 @@
 """FP8 delayed scaling: the recipe's scale rule, the FP8 matmul, Flax wiring."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -355,6 +356,43 @@ def test_wrap_refuses_bad_fp8_arguments():
     jmp_train.linen.wrap(Block(), "bf16", fp8=1)
   with pytest.raises(TypeError, match="fp8_exclude takes .* got 3"):
     jmp_train.linen.wrap(Block(), "bf16", fp8=True, fp8_exclude=(3,))
+
+
+@pytest.mark.parametrize("pattern", ["haed", "*/head", "lm_head"])
+def test_a_pattern_that_excludes_nothing_is_refused(pattern):
+  # A typo would leave the head in FP8 with no error. The check runs on the
+  # params, so it holds on init (second pass) and on apply alike.
+  shapes = functools.partial(functools.partial, jax.eval_shape)
+  with pytest.raises(ValueError, match=f"pattern '{re.escape(pattern)}' ma"):
+    _wrapped(init=shapes, fp8_exclude=("head", pattern))
+  _, v = _wrapped(init=shapes)
+  model = jmp_train.linen.wrap(
+    Block(), "bf16", fp8=True, fp8_exclude=(pattern,)
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"params: DenseGeneral_0, Dense_0, Einsum_0, LayerNorm_0, head\.",
+  ):
+    jax.eval_shape(model.apply, v, jnp.ones((2, 5)))
+  # Without FP8 the patterns change nothing and are not checked; a wrap
+  # inside a model matches the full path.
+  plain = jmp_train.linen.wrap(Block(), "bf16", fp8_exclude=(pattern,))
+  jax.eval_shape(plain.init, jax.random.key(0), jnp.ones((2, 5)))
+
+  class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      inner = Block(name="inner")
+      return jmp_train.linen.wrap(
+        inner, "bf16", fp8=True, fp8_exclude=("inner/head",)
+      )(x)
+
+  v = jax.eval_shape(Outer().init, jax.random.key(0), jnp.ones((2, 5)))
+  assert set(v["fp8_meta"]["inner"]) == {
+    "Dense_0",
+    "DenseGeneral_0",
+    "Einsum_0",
+  }
 
 
 # ---------------------------------------------------------------------------

@@ -487,6 +487,11 @@ def test_bad_fp8_arguments_are_refused_by_name():
     jmp_train.nnx.wrap(build(), "bf16", fp8=1)
   with pytest.raises(TypeError, match="fp8_exclude takes .* got 3"):
     jmp_train.nnx.wrap(build(), "bf16", fp8=True, fp8_exclude=(3,))
+  # A pattern that selects no module (a typo) would leave its layer in FP8.
+  with pytest.raises(ValueError, match="'haed' matches no module.*: head, hid"):
+    jmp_train.nnx.wrap(build(), "bf16", fp8=True, fp8_exclude=("head", "haed"))
+  model = jmp_train.nnx.wrap(build(), "bf16", fp8_exclude=("haed",))
+  assert not hasattr(model.hid, "fp8_meta")  # without FP8, not checked
   clash = build()
   clash.hid.fp8_meta = nnx.Variable(jnp.zeros(3))
   with pytest.raises(ValueError, match="'hid' has an attribute 'fp8_meta'"):

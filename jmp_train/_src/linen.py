@@ -198,6 +198,39 @@ def _matches(module: nn.Module, selectors: tuple) -> bool:
   return False
 
 
+def _check_patterns_select(selectors: tuple, params: Any, root: tuple):
+  """Refuses an `fp8_exclude` pattern that selects no module with params.
+
+  Every layer FP8 runs owns a kernel, so a pattern that matches neither the
+  name nor the path of any module above a param (`root` is the wrapped
+  module's path) keeps nothing out of FP8: a typo, whose layer would
+  silently run in FP8.
+  """
+  patterns = [item for item in selectors if isinstance(item, str)]
+  if not patterns or not params:
+    return
+  paths = {root}
+  for path, _ in jax.tree_util.tree_flatten_with_path(
+    params, is_leaf=_is_box_or_fp8
+  )[0]:
+    keys = _path_keys(path)
+    paths.update(root + keys[:end] for end in range(1, len(keys)))
+  for item in patterns:
+    if not any(
+      fnmatch.fnmatchcase(p[-1] if p else "", item)
+      or fnmatch.fnmatchcase("/".join(p), item)
+      for p in paths
+    ):
+      names = sorted("/".join(p) for p in paths if p)
+      shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+      raise ValueError(
+        f"fp8_exclude pattern {item!r} matches no module of the model, so "
+        "it keeps no layer out of FP8. Patterns are glob patterns matched "
+        "against a module's name and its '/'-joined path; this model's "
+        f"modules with params: {shown}."
+      )
+
+
 def _with_fp8(module: nn.Module, next_fun, recipe, method_name: str):
   """`next_fun`, with the module's matmul in FP8 if it is a Dense or Einsum."""
   if recipe is None or method_name != "__call__":
@@ -381,6 +414,10 @@ class _Wrapped(nn.Module):
 
     def map_in(variables):
       mapped[0] = True
+      if self.fp8 is not None:
+        _check_patterns_select(
+          self.fp8_exclude, variables.get("params", {}), self.path
+        )
       if initializing:
         # init's second pass, under the policy, creates the other collections
         # again (a decode cache must not exist yet, and must come out in the

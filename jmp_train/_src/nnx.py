@@ -160,6 +160,24 @@ def _selected(module: nnx.Module, path: tuple, item: type | str) -> bool:
   return any(fnmatch.fnmatchcase(name, item) for name in names)
 
 
+def _check_patterns_select(selectors: tuple, modules: list):
+  """Refuses an `fp8_exclude` pattern that selects none of `modules` (path,
+  module pairs): it keeps nothing out of FP8, a typo whose layer would
+  silently run in FP8."""
+  for item in selectors:
+    if isinstance(item, str) and not any(
+      _selected(node, path, item) for path, node in modules
+    ):
+      names = sorted("/".join(map(str, path)) for path, _ in modules if path)
+      shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+      raise ValueError(
+        f"fp8_exclude pattern {item!r} matches no module of the model, so "
+        "it keeps no layer out of FP8. Patterns are glob patterns matched "
+        "against a module's attribute name and its '/'-joined path; this "
+        f"model's modules: {shown}."
+      )
+
+
 def _inside(path: tuple, paths: list) -> bool:
   """Whether `path` is one of `paths` or inside one of them."""
   return any(path[: len(p)] == p for p in paths)
@@ -488,6 +506,8 @@ def wrap(
     for path, node in [((), model), *modules]
     if any(_selected(node, path, item) for item in fp8_exclude)
   ]
+  if recipe is not None:
+    _check_patterns_select(fp8_exclude, [((), model), *modules])
   for path, node in modules:
     if _inside(path, inner_roots):
       continue
