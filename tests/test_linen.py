@@ -1,6 +1,7 @@
 """linen.wrap: dtypes read from the jaxpr, numerics against unwrapped runs."""
 
 import functools
+from typing import Any
 
 import _flax_models as fm
 import flax.linen as nn
@@ -503,6 +504,36 @@ def test_respect_dtype_fields_takes_classes_and_name_patterns():
   for bad in (["yes", 3], 7):
     with pytest.raises(TypeError, match="respect_dtype_fields takes"):
       mp_linen.wrap(FloatHead(), BF16_MIXED, respect_dtype_fields=bad)
+
+
+class Upcast(nn.Module):
+  """No params; a third, rounded to its own `dtype` field."""
+
+  dtype: Any = jnp.float32
+
+  def __call__(self, x):
+    return jnp.full(x.shape, 1 / 3, self.dtype).astype(jnp.float32)
+
+
+class HeadAndUpcast(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return Upcast(name="up")(FloatHead(name="net")(x))
+
+
+def test_respect_dtype_fields_refuses_a_pattern_that_selects_nothing():
+  # A typo would leave the head computing in bfloat16, with no error.
+  x = jnp.ones((2, 4))
+  model = mp_linen.wrap(FloatHead(), BF16_MIXED, respect_dtype_fields=("haed",))
+  with pytest.raises(ValueError, match="'haed' matches no .*: body, head\\."):
+    jax.eval_shape(model.init, jax.random.key(0), x)
+  # A module without params is matched by the modules the apply runs.
+  for respect, dtype in [((), jnp.bfloat16), (("up",), np.float32)]:
+    model = mp_linen.wrap(
+      HeadAndUpcast(), BF16_MIXED, respect_dtype_fields=respect
+    )
+    out = model.apply(model.init(jax.random.key(0), x), x)
+    np.testing.assert_array_equal(out, np.float32(dtype(1 / 3)))
 
 
 @pytest.mark.parametrize(

@@ -408,6 +408,9 @@ def test_respect_dtype_fields_takes_classes_and_path_patterns():
     assert BF16_PAIR in set(dots)
   with pytest.raises(TypeError, match="respect_dtype_fields takes"):
     mp_nnx.wrap(built("float32"), "p=bf16", respect_dtype_fields=[3])
+  # A typo would leave the conv computing in bfloat16, with no error.
+  with pytest.raises(ValueError, match="'cnov' matches no module .*: conv, "):
+    mp_nnx.wrap(built("float32"), "p=bf16", respect_dtype_fields=("cnov",))
 
 
 class TwoStage(nnx.Module):

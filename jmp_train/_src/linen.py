@@ -76,6 +76,7 @@ class _Context(threading.local):
     self.frames: list[_Frame] = []
     self.owners: dict[tuple[str, ...], np.dtype] = {}
     self.fp8_modules: set[tuple[str, ...]] = set()  # their kernels go FP8
+    self.called: set[tuple[str, ...]] = set()  # paths of modules run
 
 
 _CTX = _Context()
@@ -198,25 +199,30 @@ def _matches(module: nn.Module, selectors: tuple) -> bool:
   return False
 
 
-def _check_patterns_select(selectors: tuple, params: Any, root: tuple):
-  """Refuses an `fp8_exclude` pattern that selects no module with params.
-
-  Every layer FP8 runs owns a kernel, so a pattern that matches neither the
-  name nor the path of any module above a param (`root` is the wrapped
-  module's path) keeps nothing out of FP8: a typo, whose layer would
-  silently run in FP8.
-  """
-  patterns = [item for item in selectors if isinstance(item, str)]
-  if not patterns or not params:
-    return
+def _module_paths(params: Any, root: tuple) -> set[tuple[str, ...]]:
+  """The paths of `root` and of every module above a param in `params`."""
   paths = {root}
   for path, _ in jax.tree_util.tree_flatten_with_path(
     params, is_leaf=_is_box_or_fp8
   )[0]:
     keys = _path_keys(path)
     paths.update(root + keys[:end] for end in range(1, len(keys)))
-  for item in patterns:
-    if not any(
+  return paths
+
+
+def _check_patterns_select(argument: str, selectors: Any, paths: set):
+  """Refuses a name pattern among `selectors` that selects none of `paths`.
+
+  `paths` are the modules the model has: those above a param, and (for
+  `respect_dtype_fields`, which may name a module without params) those the
+  apply ran. A pattern matching neither the name nor the path of any of
+  them selects nothing, a typo that would silently leave a layer in FP8
+  (`fp8_exclude`) or computing in the compute dtype (`respect_dtype_fields`).
+  """
+  if not isinstance(selectors, tuple):
+    return
+  for item in selectors:
+    if isinstance(item, str) and not any(
       fnmatch.fnmatchcase(p[-1] if p else "", item)
       or fnmatch.fnmatchcase("/".join(p), item)
       for p in paths
@@ -224,10 +230,10 @@ def _check_patterns_select(selectors: tuple, params: Any, root: tuple):
       names = sorted("/".join(p) for p in paths if p)
       shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
       raise ValueError(
-        f"fp8_exclude pattern {item!r} matches no module of the model, so "
-        "it keeps no layer out of FP8. Patterns are glob patterns matched "
-        "against a module's name and its '/'-joined path; this model's "
-        f"modules with params: {shown}."
+        f"{argument} pattern {item!r} matches no module of the model, so it "
+        "selects nothing. Patterns are glob patterns matched against a "
+        "module's name and its '/'-joined path; this model's modules: "
+        f"{shown}."
       )
 
 
@@ -268,6 +274,8 @@ def _interceptor(next_fun, args, kwargs, context):
   frames, module = _CTX.frames, context.module
   if not frames or isinstance(module, _Wrapped) or module.scope is None:
     return next_fun(*args, **kwargs)
+  if not isinstance(module, fp8_linen.Fp8DotGeneral):  # ours, not the model's
+    _CTX.called.add(module.path)
   outer = frames[-1]
   override = policy_lib.find_override(module, outer.overrides)
   policy = override.policy if override else outer.policy
@@ -404,6 +412,7 @@ class _Wrapped(nn.Module):
     incoming: dict[tuple[str, ...], Any] = {}
     as_written: dict[tuple[str, ...], Any] = {}  # init's first-pass variables
     mapped = [False]
+    known: set[tuple[str, ...]] = set()  # module paths, to check patterns
 
     def owner_dtype(keys: tuple[str, ...]) -> Any:
       for end in range(len(keys) - 1, -1, -1):
@@ -414,10 +423,9 @@ class _Wrapped(nn.Module):
 
     def map_in(variables):
       mapped[0] = True
-      if self.fp8 is not None:
-        _check_patterns_select(
-          self.fp8_exclude, variables.get("params", {}), self.path
-        )
+      known.update(_module_paths(variables.get("params", {}), self.path))
+      if self.fp8 is not None:  # every FP8 layer has params: check it now
+        _check_patterns_select("fp8_exclude", self.fp8_exclude, known)
       if initializing:
         # init's second pass, under the policy, creates the other collections
         # again (a decode cache must not exist yet, and must come out in the
@@ -507,10 +515,15 @@ class _Wrapped(nn.Module):
     if outermost:
       _CTX.owners.clear()
       _CTX.fp8_modules.clear()
+      _CTX.called.clear()
       with nn.intercept_methods(_interceptor):
         out = run(self, *args, **kwargs)
     else:
       out = run(self, *args, **kwargs)
+    known.update(p for p in _CTX.called if p[: len(self.path)] == self.path)
+    _check_patterns_select(
+      "respect_dtype_fields", self.respect_dtype_fields, known
+    )
     return _cast_arrays(out, self.policy.output_dtype)
 
 
@@ -559,7 +572,8 @@ def wrap(
       Layers given their own `dot_general` or `dot_general_cls` keep it.
     fp8_exclude: modules kept out of FP8, with everything inside them: module
       classes, or glob patterns matched against a module's name and its
-      "/"-joined path (e.g. `"head"`, `"*/attention/*"`).
+      "/"-joined path (e.g. `"head"`, `"*/attention/*"`). With `fp8` set, a
+      pattern that matches no module with params raises `ValueError`.
     fp8_params: store the kernel of every layer that runs in FP8 as a
       `jmp_train.fp8.Fp8Param` (E4M3 values and a power-of-two scale, 1 byte
       per value; NeMo's `fp8_params`, Transformer Engine's
@@ -576,7 +590,9 @@ def wrap(
       built with `dtype=jnp.float32`. Such a layer then computes in float32,
       since Flax casts its inputs and params back; its params are still
       stored in the param dtype and read in the compute dtype (use
-      `overrides` for a module that must keep float32 params too).
+      `overrides` for a module that must keep float32 params too). A
+      pattern that matches no module (with params, or run by the apply)
+      raises `ValueError`.
 
   Returns:
     A linen module whose variables have the structure of `module`'s. Call it,

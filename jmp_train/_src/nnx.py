@@ -160,10 +160,11 @@ def _selected(module: nnx.Module, path: tuple, item: type | str) -> bool:
   return any(fnmatch.fnmatchcase(name, item) for name in names)
 
 
-def _check_patterns_select(selectors: tuple, modules: list):
-  """Refuses an `fp8_exclude` pattern that selects none of `modules` (path,
-  module pairs): it keeps nothing out of FP8, a typo whose layer would
-  silently run in FP8."""
+def _check_patterns_select(argument: str, selectors: tuple, modules: list):
+  """Refuses a name pattern among `selectors` that selects none of `modules`
+  (path, module pairs): a typo that would silently leave a layer in FP8
+  (`fp8_exclude`) or computing in the compute dtype
+  (`respect_dtype_fields`)."""
   for item in selectors:
     if isinstance(item, str) and not any(
       _selected(node, path, item) for path, node in modules
@@ -171,10 +172,10 @@ def _check_patterns_select(selectors: tuple, modules: list):
       names = sorted("/".join(map(str, path)) for path, _ in modules if path)
       shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
       raise ValueError(
-        f"fp8_exclude pattern {item!r} matches no module of the model, so "
-        "it keeps no layer out of FP8. Patterns are glob patterns matched "
-        "against a module's attribute name and its '/'-joined path; this "
-        f"model's modules: {shown}."
+        f"{argument} pattern {item!r} matches no module of the model, so it "
+        "selects nothing. Patterns are glob patterns matched against a "
+        "module's attribute name and its '/'-joined path; this model's "
+        f"modules: {shown}."
       )
 
 
@@ -429,7 +430,8 @@ def wrap(
       them. A layer built with `dtype=jnp.float32` then computes in float32,
       since Flax casts its inputs and params back; its params are still
       stored in the param dtype and read in the compute dtype (use
-      `overrides` for a module that must keep float32 params too).
+      `overrides` for a module that must keep float32 params too). A
+      pattern that matches no module raises `ValueError`.
     fp8: a `jmp_train.fp8` recipe (`DelayedScaling`, `CurrentScaling`,
       `BlockwiseScaling`), a recipe name ("delayed", "current", "blockwise")
       or True (the default, `CurrentScaling()`) to run the matmul of every
@@ -443,7 +445,8 @@ def wrap(
       removes FP8.
     fp8_exclude: modules kept out of FP8, with everything inside them: module
       classes, or glob patterns matched against the attribute name and the
-      "/"-joined path (`"head"`, `"blocks/*/attention"`).
+      "/"-joined path (`"head"`, `"blocks/*/attention"`). With `fp8` set, a
+      pattern that matches no module raises `ValueError`.
 
   Returns:
     `model` itself: same object, same attributes, same `nnx.state` structure
@@ -507,7 +510,11 @@ def wrap(
     if any(_selected(node, path, item) for item in fp8_exclude)
   ]
   if recipe is not None:
-    _check_patterns_select(fp8_exclude, [((), model), *modules])
+    _check_patterns_select("fp8_exclude", fp8_exclude, [((), model), *modules])
+  if isinstance(respect, tuple):
+    _check_patterns_select(
+      "respect_dtype_fields", respect, [((), model), *modules]
+    )
   for path, node in modules:
     if _inside(path, inner_roots):
       continue
