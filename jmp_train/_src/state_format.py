@@ -226,24 +226,40 @@ def _groups(x: jax.Array, size: int) -> jax.Array:
     x = x.reshape(1)
   length = x.shape[-1]
   count = -(-length // size)
+  sharding = _explicit_sharding(x)
+  keep = sharding is not None and count % _last_axis_size(sharding, x.ndim) == 0
+  if sharding is not None and not keep:
+    # Replicated along the last axis before the padding: `jnp.pad` cannot
+    # give a sharded axis a length its devices do not divide (204 on 6
+    # devices, padded to 256), and the groups are replicated anyway.
+    x = jax.sharding.reshard(x, _with_last(sharding, x.ndim, None))
   if count * size != length:
     widths = [(0, 0)] * (x.ndim - 1) + [(0, count * size - length)]
     x = jnp.pad(x, widths)
   shape = x.shape[:-1] + (count, size)
-  return jax.lax.reshape(x, shape, out_sharding=_split_sharding(x, count))
+  out_sharding = None
+  if sharding is not None:
+    last = _spec(sharding, x.ndim)[-1] if keep else None
+    out_sharding = _with_last(sharding, x.ndim, last, None)
+  return jax.lax.reshape(x, shape, out_sharding=out_sharding)
 
 
-def _split_sharding(x: jax.Array, count: int) -> Any:
-  sharding = _explicit_sharding(x)
-  if sharding is None:
-    return None
-  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-  last = spec[-1]
+def _spec(sharding: Any, ndim: int) -> tuple:
+  return tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+
+
+def _last_axis_size(sharding: Any, ndim: int) -> int:
+  """How many devices the last of `ndim` axes is split over."""
+  last = _spec(sharding, ndim)[-1]
   names = last if isinstance(last, tuple) else (last,)
-  size = math.prod(sharding.mesh.shape[a] for a in names if a is not None)
-  keep = last if last is not None and count % size == 0 else None
+  return math.prod(sharding.mesh.shape[a] for a in names if a is not None)
+
+
+def _with_last(sharding: Any, ndim: int, *last: Any) -> Any:
+  """`sharding` with its last axis's entry replaced by the entries `last`."""
+  spec = _spec(sharding, ndim)[:-1] + last
   return jax.sharding.NamedSharding(
-    sharding.mesh, jax.sharding.PartitionSpec(*spec[:-1], keep, None)
+    sharding.mesh, jax.sharding.PartitionSpec(*spec)
   )
 
 
