@@ -120,6 +120,41 @@ def test_collective_parser_on_hlo_lines():
   assert ar.bytes == 2 * 8 * 7 / 8 and ar.max_elements == 1
 
 
+def test_collective_parser_on_the_async_forms_and_narrow_types():
+  # XLA:GPU's async forms, as XLA prints them: an all-gather-start's and a
+  # collective-permute-start's results hold their input buffers (and
+  # contexts) beside the output; only the output arrives.
+  groups = "replica_groups={{0,1,2,3,4,5,6,7}}"
+  text = "\n".join(
+    [
+      "  %ag = (bf16[128]{0}, bf16[1024]{0}) all-gather-start(bf16[128]{0} "
+      f"%p), channel_id=1, {groups}, dimensions={{0}}",
+      "  %agd = bf16[1024]{0} all-gather-done((bf16[128]{0}, bf16[1024]{0}) "
+      "%ag)",
+      "  %ag2 = ((f32[2,3]{1,0}, u16[4]{0}), (f32[16,3]{1,0}, u16[32]{0})) "
+      f"all-gather-start(f32[2,3]{{1,0}} %a, u16[4]{{0}} %b), {groups}",
+      "  %cp = (f32[256]{0}, f32[256]{0}, u32[], u32[]) "
+      "collective-permute-start(f32[256]{0} %r), channel_id=3, "
+      "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+      f"  %u = s4[512]{{0}} all-gather(s4[64]{{0}} %s), {groups}",
+      f"  %c = c64[8]{{0}} all-reduce(c64[8]{{0}} %z), {groups}",
+    ]
+  )
+  ag, ag2, cp, s4, c64 = memory.collective_stats(text, 8)
+  assert (ag.kind, ag.shape_bytes, ag.bytes) == ("all-gather", 2048, 1792)
+  assert ag2.shape_bytes == 16 * 3 * 4 + 32 * 2 and ag2.max_elements == 48
+  assert (cp.kind, cp.shape_bytes, cp.bytes) == (
+    "collective-permute",
+    1024,
+    1024,
+  )
+  assert (s4.shape_bytes, s4.bytes) == (256, 256 * 7 / 8)  # half a byte each
+  assert c64.shape_bytes == 64 and c64.bytes == 2 * 64 * 7 / 8
+  for bad, error in ((0, ValueError), (2.0, TypeError)):
+    with pytest.raises(error, match="num_devices must be"):
+      memory.collective_stats(text, bad)
+
+
 def test_memory_table_script():
   # A script of its own (it configures JAX's devices), so a child process.
   script = str(ROOT / "benchmarks" / "memory_table.py")

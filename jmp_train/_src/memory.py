@@ -169,7 +169,8 @@ class Collective(NamedTuple):
 
   `bytes` is the data each device sends with a ring algorithm: an all-reduce
   of S bytes over g devices sends 2 S (g-1)/g, a reduce-scatter of S input
-  bytes or an all-gather of S output bytes sends S (g-1)/g.
+  bytes or an all-gather of S output bytes sends S (g-1)/g; a
+  collective-permute sends its whole S-byte buffer.
   """
 
   kind: str
@@ -181,31 +182,55 @@ class Collective(NamedTuple):
 
 _OP = re.compile(
   r"= (?P<type>.+?) (?P<kind>all-reduce|reduce-scatter|all-gather|"
-  r"all-to-all|collective-permute)(?:-start)?\((?P<args>[^)]*)\)(?P<rest>.*)$"
+  r"all-to-all|collective-permute)(?P<start>-start)?\((?P<args>[^)]*)\)"
+  r"(?P<rest>.*)$"
 )
-_SHAPE = re.compile(
-  r"(pred|bf16|f16|f32|f64|s8|s16|s32|s64|u8|u32|f8\w*)\[([\d,]*)\]"
-)
-_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1,
-             "s16": 2, "s32": 4, "s64": 8, "u8": 1, "u32": 4}  # fmt: skip
+_SHAPE = re.compile(r"\b(pred|bf16|[fsuc]\d+\w*)\[([\d,]*)\]")
+
+
+def _bits(dtype: str) -> int:
+  """Bits per element of an HLO element type: pred, bf16, f32, f8e4m3fn,
+  s4, u16, c64, ..."""
+  if dtype == "pred":
+    return 8
+  if dtype == "bf16":
+    return 16
+  return int(re.match(r"[fsuc](\d+)", dtype).group(1))
+
+
+def _shapes(text: str) -> list[tuple[str, int]]:
+  """(element type, element count) of each array shape in `text`."""
+  return [
+    (dtype, math.prod(int(d) for d in dims.split(",") if d))
+    for dtype, dims in _SHAPE.findall(text)
+  ]
 
 
 def _shape_bytes(text: str) -> int:
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    size = math.prod(int(d) for d in dims.split(",") if d)
-    total += size * _ITEMSIZE.get(dtype, 1)
-  return total
+  return sum(size * _bits(dtype) // 8 for dtype, size in _shapes(text))
 
 
 def _max_elements(text: str) -> int:
-  return max(
-    (
-      math.prod(int(d) for d in dims.split(",") if d)
-      for _, dims in _SHAPE.findall(text)
-    ),
-    default=0,
-  )
+  return max((size for _, size in _shapes(text)), default=0)
+
+
+def _tuple_elements(text: str) -> list[str]:
+  """The top-level elements of an HLO tuple type, "(a, (b, c), d)"; a type
+  that is not a tuple as the only element."""
+  if not text.startswith("("):
+    return [text]
+  elements, depth, begin = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if (ch == "," and depth == 1) or depth == 0:
+      elements.append(text[begin:i].strip())
+      begin = i + 1
+    if depth == 0:
+      break
+  return elements
 
 
 def _group_size(rest: str, num_devices: int) -> int:
@@ -219,27 +244,53 @@ def _group_size(rest: str, num_devices: int) -> int:
 
 
 def collective_stats(hlo_text: str, num_devices: int) -> list[Collective]:
-  """The collectives of an HLO module's text (`compiled.as_text()`)."""
+  """The collectives of an HLO module's text, and the bytes each sends.
+
+  Pass `lowered.as_text(dialect="hlo")` for the collectives a step asks for
+  in the dtypes it asks for (the train step writes its own with
+  `shard_map`), or `compiled.as_text()` for what XLA runs, with the
+  collectives sharding propagation adds. XLA:CPU widens bfloat16
+  collectives to float32 when it compiles, so on CPU a compiled module
+  counts them at 4 bytes a value. The asynchronous forms XLA:GPU emits
+  (`all-gather-start`, `collective-permute-start`, whose results hold
+  their input buffers too) count their output only.
+
+  Args:
+    hlo_text: an HLO module as text.
+    num_devices: the devices of a collective whose replica groups the text
+      does not give.
+
+  Returns:
+    One `Collective` per collective op, in the order of the text.
+  """
+  if isinstance(num_devices, bool) or not isinstance(num_devices, int):
+    raise TypeError(f"num_devices must be an int, got {num_devices!r}.")
+  if num_devices < 1:
+    raise ValueError(f"num_devices must be 1 or more, got {num_devices}.")
   found = []
   for line in hlo_text.splitlines():
     m = _OP.search(line)
     if not m:
       continue
-    kind = m.group("kind")
+    kind, out_type = m.group("kind"), m.group("type")
+    if m.group("start") and kind in ("all-gather", "collective-permute"):
+      # (inputs, outputs[, contexts]): the outputs are what arrives.
+      elements = _tuple_elements(out_type)
+      out_type = elements[1] if len(elements) > 1 else out_type
     g = _group_size(m.group("rest"), num_devices)
-    out_bytes = _shape_bytes(m.group("type"))
+    out_bytes = _shape_bytes(out_type)
     if kind == "reduce-scatter":
       size = out_bytes * g  # the input
       sent = size * (g - 1) / g
     elif kind == "all-reduce":
       size = out_bytes
       sent = 2 * size * (g - 1) / g
+    elif kind == "collective-permute":
+      size = sent = out_bytes
     else:
       size = out_bytes
       sent = size * (g - 1) / g
-    found.append(
-      Collective(kind, size, g, sent, _max_elements(m.group("type")))
-    )
+    found.append(Collective(kind, size, g, sent, _max_elements(out_type)))
   return found
 
 
