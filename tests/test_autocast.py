@@ -3,6 +3,8 @@ backward, on models written elsewhere; numerics against the same function
 cast by hand; control flow, custom rules, shard_map; composition with the
 train step, ZeRO-1, linen.wrap overrides and FP8 layers."""
 
+import functools
+
 import _flax_models as fm
 import _models
 import flax.linen as nn
@@ -409,6 +411,46 @@ def test_fp8_layers_are_left_alone():
   got = grad(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+class _SharedFp8(nnx.Module):
+  """A layer called twice (the max of its calls' amaxes) and a head."""
+
+  def __init__(self, rngs):
+    self.shared = nnx.Linear(6, 6, rngs=rngs)
+    self.out = nnx.Linear(6, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.shared(jnp.tanh(self.shared(x)) * 4.0))
+
+
+def test_fp8_nnx_layers_are_left_alone_and_take_the_max_over_calls():
+  # The layers' FP8 state goes back to the model after the call (the
+  # variable's value is an Fp8DotState, not an array).
+  model = mp_nnx.wrap(_SharedFp8(nnx.Rngs(0)), "float32", fp8="delayed")
+  x = jax.random.normal(jax.random.key(1), (4, 6)) * 3
+  graphdef, state = nnx.split(model)
+
+  def loss(state, x, cast):
+    m = nnx.merge(graphdef, state)
+    return jnp.sum((autocast(m, BF16)(x) if cast else m(x)) ** 2)
+
+  ops = dtypes_of(jax.grad(functools.partial(loss, cast=True)), state, x)
+  assert len(ops) == 9, ops  # 3 matmuls forward, 6 backward, all in FP8
+  assert all(d.startswith("float8") for op in ops for d in op), ops
+  got = jax.grad(loss)(state, x, True)
+  want = jax.grad(loss)(state, x, False)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-6)
+  # The shared layer's amaxes by NumPy: its kernel's and its first input's
+  # (|x| reaches past the second input's 4), once, not summed over calls.
+  (amax,) = got["shared"]["fp8_meta"].get_value().amax
+  kernel = np.asarray(state["shared"]["kernel"].get_value())
+  np.testing.assert_array_equal(
+    amax[:2], [np.abs(x).max(), np.abs(kernel).max()]
+  )
+  out = autocast(model, BF16)(x)  # eager, the model itself as the function
+  np.testing.assert_allclose(out, model(x), rtol=1e-6)
 
 
 # -- the train step: float16 with a loss scale, ZeRO-1 ------------------------

@@ -233,6 +233,33 @@ def test_a_layer_called_twice_gets_the_max_of_its_calls_amaxes(name, transform):
   np.testing.assert_array_equal(state.scale, 1.0)
 
 
+def test_a_cell_carried_through_nnx_scan_gets_the_max_over_its_steps():
+  # An RNN cell applied at every time step. Carried (nnx.Carry) its calls
+  # chain: the kernel's amax is max|W|, where broadcasting the cell
+  # (in_axes=None, README's Limits) would sum it over the T steps.
+  cell = jmp_train.nnx.wrap(
+    nnx.Linear(4, 4, rngs=nnx.Rngs(0)), "float32", fp8="delayed"
+  )
+  xs = jnp.asarray(np.random.default_rng(0).normal(size=(5, 2, 4)) * 3)
+
+  def loss(cell):
+    def step(carry, x):
+      cell, h = carry
+      h = jnp.tanh(cell(h) + x)
+      return (cell, h), h
+
+    scan = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    (_, h), _ = scan((cell, jnp.ones((2, 4))), xs)
+    return jnp.sum(h)
+
+  grads = nnx.jit(nnx.grad(loss, argnums=DIFF))(cell)
+  (amax,) = grads["fp8_meta"].get_value().amax
+  kernel = np.abs(np.asarray(cell.kernel.get_value())).max()
+  assert amax[1] == np.float32(kernel)
+  # The inputs are h: ones at the first step, tanh's after it.
+  assert amax[0] == 1.0
+
+
 def test_a_nan_in_one_call_survives_the_max():
   model = jmp_train.nnx.wrap(
     nnx.Linear(3, 4, rngs=nnx.Rngs(0)), "float32", fp8=RECIPES["current"]

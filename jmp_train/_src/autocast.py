@@ -208,6 +208,13 @@ def _write_back(nodes, state, before, after, traced) -> None:
   changed = {p for p, x in new.items() if p not in old or x is not old[p]}
   if not changed:
     return
-  new = {p: cast(x, shapes[p].dtype) for p, x in new.items()}
+  # A variable's value may be a pytree of its own (an FP8 layer's
+  # `Fp8DotState`): each of its arrays goes back in its traced dtype.
+  new = {
+    p: jax.tree.map(lambda a, s: cast(a, s.dtype), x, shapes[p])
+    for p, x in new.items()
+  }
   nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(new))
-  nnx.update(nodes, state.filter(lambda path, _: tuple(path) in changed))
+  nnx.update(
+    nodes, nnx.filter_state(state, lambda path, _: tuple(path) in changed)
+  )

@@ -34,11 +34,14 @@ Two limits, as with linen's FP8 modules under `nn.scan`/`nn.vmap`: where
 NNX refuses the write (a layer closed over by a plain `jax.jit` or a
 `jax.lax.scan` body raises `TraceContextError`, caught) the call runs
 unchained, so a layer called several times there adds those calls'
-amaxes; and under `vmap` with the layer's state not mapped (the model
-broadcast, `nnx.vmap(..., in_axes=None)`), JAX sums the amaxes over the
-mapped axis. Both only overstate an amax (a smaller delayed scale, never an
-overflow). Layers stacked by `nnx.vmap` and run by `nnx.scan` map their
-state, one per layer, and are exact.
+amaxes (so does a layer an `autocast` function closes over); and under
+`vmap` or `scan` with the layer's state not mapped (the model broadcast,
+`nnx.vmap(..., in_axes=None)`, or an RNN cell broadcast into `nnx.scan`
+over time), JAX sums the amaxes over the mapped axis. Both only overstate
+an amax (a smaller delayed scale, never an overflow). Layers stacked by
+`nnx.vmap` and run by `nnx.scan` map their state, one per layer, and are
+exact; a cell carried through `nnx.scan` (`nnx.Carry`) chains its calls
+and is exact too.
 """
 
 from __future__ import annotations
