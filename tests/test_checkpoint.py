@@ -10,6 +10,7 @@ import sys
 import _ckpt_child
 import _models
 import flax.linen as nn
+import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 
 import jmp_train as jmp
 from jmp_train import checkpoint, train, zero1
+from jmp_train import nnx as mp_nnx
 from jmp_train._src import checkpoint_format
 
 TESTS = os.path.dirname(__file__)
@@ -550,6 +552,16 @@ def test_a_zero_padded_state_saved_without_its_plan_does_not_restore(tmp_path):
     with pytest.raises(ValueError, match=r"wants float32\[.*plan=") as e:
       ckpt.restore(_ckpt_child.param_template(), **target)
     assert any(path in str(e.value) for path in padded), str(e.value)
+  # A plan made for other params (a wider bias) is named as the fault, not
+  # the checkpoint.
+  wider = dict(_ckpt_child.param_template())
+  wider["extra_bias"] = jax.ShapeDtypeStruct((14,), jnp.bfloat16)  # 16 too
+  other = zero1.make_plan(tx, wider, plan.mesh)
+  with pytest.raises(
+    ValueError,
+    match=r"params\['extra_bias'\] is bfloat16\[10\], .* bfloat16\[14\]",
+  ):
+    ckpt.restore(_ckpt_child.param_template(), plan=other)
   ckpt.close()
 
 
@@ -568,6 +580,63 @@ def test_restore_with_tx_keeps_the_params_device(tmp_path):
   _assert_trees_equal(state2, state)
   for leaf in jax.tree.leaves((params2, state2)):
     assert leaf.devices() == {device}
+
+
+def test_an_nnx_optimizer_resumes_bit_for_bit_by_the_readme_recipe(tmp_path):
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(5, 8, rngs=rngs)
+      self.l2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jax.nn.relu(self.l1(x)))
+
+  preset = jmp.get_preset("bf16-lean")
+  tx = preset.mixed_precision(optax.adamw(1e-2))
+
+  def build():
+    model = mp_nnx.wrap(Mlp(nnx.Rngs(0)), preset.policy)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    scale = jmp.current_loss_scale(optimizer.opt_state)
+    loss = lambda m: jnp.mean((m(x).astype(jnp.float32) - y) ** 2) * scale  # noqa: E731
+    optimizer.update(model, nnx.grad(loss)(model))
+
+  rng = np.random.default_rng(0)
+  data = [
+    (rng.normal(size=(4, 5)).astype(np.float32), rng.normal(size=(4, 3)))
+    for _ in range(4)
+  ]
+  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  values = lambda t: jax.tree.map(lambda v: v.get_value(), t, is_leaf=is_var)  # noqa: E731
+
+  def snapshot(model, optimizer):
+    return values((nnx.state(model, nnx.Param), optimizer.opt_state))
+
+  model, optimizer = build()
+  for x, y in data[:2]:
+    train_step(model, optimizer, x, y)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(
+      2, values(nnx.state(model, nnx.Param)), values(optimizer.opt_state)
+    )
+  for x, y in data[2:]:
+    train_step(model, optimizer, x, y)
+  model2, optimizer2 = build()  # a fresh start, then the README's restore
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    step, params, opt_state = ckpt.restore(
+      values(nnx.state(model2, nnx.Param)), tx=tx
+    )
+  nnx.update(model2, params)
+  jax.tree.map(
+    lambda v, x: v.set_value(x), optimizer2.opt_state, opt_state, is_leaf=is_var
+  )
+  for x, y in data[2:]:
+    train_step(model2, optimizer2, x, y)
+  assert step == 2
+  _assert_trees_equal(snapshot(model2, optimizer2), snapshot(model, optimizer))
 
 
 def test_bad_steps_and_settings_raise_naming_the_value(tmp_path):

@@ -101,6 +101,28 @@ def test_update_never_advances_on_a_skipped_step_or_a_non_finite_amax():
       np.testing.assert_array_equal(a, b)
 
 
+def test_rescale_output_grads_moves_the_gradient_row_only():
+  recipe = fp8.DelayedScaling(amax_history_len=3)
+  fresh = fp8.init_state(recipe)
+  grads = fresh.replace(amax=(jnp.array([2.0, 4.0, 64.0]),))
+  tree = {"seen": fp8.update(fresh, grads), "fresh": fresh, "w": jnp.ones(2)}
+  moved = fp8.rescale_output_grads(tree, 2.0**-15)
+  # The written rule: the gradient history times the factor, the scale
+  # (57344 / 64 before) divided by it; the other rows and leaves as they were.
+  np.testing.assert_array_equal(moved["seen"].amax_history[2], [2.0**-9, 0, 0])
+  assert moved["seen"].scale[2] == 57344 / 64 * 2.0**15
+  np.testing.assert_array_equal(moved["seen"].scale[:2], tree["seen"].scale[:2])
+  np.testing.assert_array_equal(
+    moved["seen"].amax_history[:2], tree["seen"].amax_history[:2]
+  )
+  # No history yet: the first-step scale 1 stays.
+  np.testing.assert_array_equal(moved["fresh"].scale, 1.0)
+  assert moved["w"] is tree["w"]
+  for bad in (0.0, -1.0, np.inf, jnp.ones(2)):
+    with pytest.raises(ValueError, match="factor must be a positive finite"):
+      fp8.rescale_output_grads(tree, bad)
+
+
 @pytest.mark.parametrize(
   "kwargs, match",
   [

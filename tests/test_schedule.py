@@ -1,5 +1,7 @@
 """adjust_precision: state kept bit for bit, continued against plain optax."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -303,6 +305,58 @@ def test_nnx_model_and_optimizer_switch_in_place():
     nnx.state(model)
   )
   assert "bf16" not in str(dots)
+
+
+def test_nnx_switch_moves_the_kept_fp8_gradient_history_to_the_new_loss_scale():
+  # The output gradients an FP8 matmul casts are the scaled loss's: fp16's
+  # 2**15 to bf16's none must divide their kept amaxes by 2**15, or the
+  # delayed scale stays 2**15 too small (gradients flushed to zero).
+  from flax import nnx
+
+  from jmp_train.nnx import Fp8Meta, update_fp8
+
+  recipe = jmp_train.fp8.DelayedScaling(amax_history_len=4)
+  fp16, bf16 = (
+    dataclasses.replace(jmp_train.get_preset(n), fp8=recipe)
+    for n in ("fp16-fp8-mixed", "bf16-fp8-mixed")
+  )
+  model = jmp_train.nnx.wrap(
+    nnx.Linear(4, 3, rngs=nnx.Rngs(0)), fp16.policy, fp8=recipe
+  )
+  optimizer = nnx.Optimizer(
+    model, fp16.mixed_precision(optax.sgd(1e-3)), wrt=nnx.Param
+  )
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)), jnp.float32)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    scale = jmp_train.current_loss_scale(optimizer.opt_state)
+    diff = nnx.DiffState(0, (nnx.Param, Fp8Meta))
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2) * scale, argnums=diff)(model)
+    optimizer.update(model, grads)
+    finite = jmp_train.train_metrics(optimizer.opt_state)["last_step_finite"]
+    update_fp8(model, grads, finite=finite)
+
+  for _ in range(2):
+    train_step(model, optimizer)
+  before = jax.tree.map(np.asarray, model.fp8_meta.get_value())
+  old = float(jmp_train.current_loss_scale(optimizer.opt_state))
+  assert old == 2.0**15 and before.amax_history[2, 0] > 0
+  schedule.adjust_nnx_precision(model, optimizer, bf16)
+  new = float(jmp_train.current_loss_scale(optimizer.opt_state))
+  after = model.fp8_meta.get_value()
+  factor = np.float32(new / old)  # 2**-15: exact
+  np.testing.assert_array_equal(
+    after.amax_history[2], before.amax_history[2] * factor
+  )
+  np.testing.assert_array_equal(after.scale[2], before.scale[2] / factor)
+  np.testing.assert_array_equal(after.amax_history[:2], before.amax_history[:2])
+  np.testing.assert_array_equal(after.scale[:2], before.scale[:2])
+  # Back to fp16 (2**15 again): the history it had, bit for bit.
+  schedule.adjust_nnx_precision(model, optimizer, fp16)
+  back = model.fp8_meta.get_value()
+  np.testing.assert_array_equal(back.amax_history, before.amax_history)
+  np.testing.assert_array_equal(back.scale, before.scale)
 
 
 def test_nnx_fp8_follows_the_preset():

@@ -101,6 +101,22 @@ def _check_params_fit(params: Any, plan: zero1.Plan, what: str) -> None:
       f"{what} does not have the plan's params structure {want}: got "
       f"{jax.tree.structure(params)}. Pass the plan built for these params."
     )
+  if plan.params is None:
+    return
+  for (path, p), planned in zip(
+    jax.tree_util.tree_flatten_with_path(params)[0],
+    jax.tree.leaves(plan.params),
+    strict=True,
+  ):
+    dtype = p.dtype if hasattr(p, "dtype") else np.result_type(p)
+    got = (tuple(np.shape(p)), np.dtype(dtype))
+    if got != (tuple(planned.shape), np.dtype(planned.dtype)):
+      raise ValueError(
+        f"{what}{jax.tree_util.keystr(path)} is {got[1].name}{list(got[0])}, "
+        f"but the plan was made for {np.dtype(planned.dtype).name}"
+        f"{list(planned.shape)}. Pass the plan built for these params "
+        "(zero1.make_plan(tx, params, mesh))."
+      )
 
 
 def _bare_state(params: Any, opt_state: Any) -> train.TrainState:

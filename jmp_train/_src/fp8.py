@@ -200,6 +200,65 @@ def update(
   )
 
 
+def rescale_output_grads(tree: Any, factor: jax.typing.ArrayLike) -> Any:
+  """Every FP8 state in `tree` moved to output gradients `factor` times larger.
+
+  The output gradient a matmul casts is that of the scaled loss, so its
+  amax history and scale are in units of the loss scale. Switching to a
+  loss scale `factor` times the old one (fp16's 2**15 to bf16's none:
+  `factor` 2**-15) would otherwise leave a delayed scale `factor` times
+  off: too small, flushing gradients to zero in FP8 for up to
+  `amax_history_len` steps, or too large, clipping them. This multiplies
+  each state's output-gradient history by `factor` and divides its scale
+  by it (a power of two changes no other bit); a state with no history yet
+  keeps its first-step scale.
+
+  Args:
+    tree: a pytree holding `Fp8DotState`s (other leaves returned as they
+      are).
+    factor: the new loss scale over the old, a positive finite number.
+
+  Returns:
+    `tree` with each state's output-gradient row rescaled.
+
+  Example:
+    >>> from jmp_train.fp8 import DelayedScaling
+    >>> state = init_state(DelayedScaling(amax_history_len=2))
+    >>> grads = state.replace(amax=(jnp.array([2.0, 4.0, 8.0]),))
+    >>> state = update(state, grads)
+    >>> state.amax_history[2].tolist(), float(state.scale[2])
+    ([8.0, 0.0], 7168.0)
+    >>> moved = rescale_output_grads(state, 2.0**-4)  # a loss scale 16x smaller
+    >>> moved.amax_history[2].tolist(), float(moved.scale[2])
+    ([0.5, 0.0], 114688.0)
+  """
+  factor = jnp.asarray(factor, jnp.float32)
+  if factor.shape != () or (
+    not isinstance(factor, jax.core.Tracer)
+    and not bool(jnp.isfinite(factor) & (factor > 0))
+  ):
+    raise ValueError(
+      f"rescale_output_grads: factor must be a positive finite scalar (the "
+      f"new loss scale over the old), got {factor!r}."
+    )
+  row = TENSORS.index("output_grad")
+
+  def rescale(state: Fp8DotState) -> Fp8DotState:
+    history = state.amax_history[..., row, :]
+    seen = jnp.any(history > 0, axis=-1)
+    scale = state.scale[..., row]
+    return state.replace(
+      amax_history=state.amax_history.at[..., row, :].set(history * factor),
+      scale=state.scale.at[..., row].set(
+        jnp.where(seen, scale / factor, scale)
+      ),
+    )
+
+  return jax.tree.map(
+    lambda x: rescale(x) if is_fp8_state(x) else x, tree, is_leaf=is_fp8_state
+  )
+
+
 def scales(tree: Any) -> dict[str, jax.Array]:
   """The smallest and largest scale per tensor kind over all FP8 matmuls."""
   found = states(tree)

@@ -292,8 +292,9 @@ def adjust_nnx_precision(
   dtype, and replaces `optimizer.opt_state` (an `nnx.Optimizer` over
   `mixed_precision`) with the converted state; `optimizer.step` and its
   transformation are kept. FP8 follows the preset: a preset without a
-  recipe turns it off, the recipe the model has keeps its FP8 history,
-  another starts afresh (a recipe of your own rides in
+  recipe turns it off, the recipe the model has keeps its FP8 history (the
+  output gradients' moved to the new loss scale,
+  `jmp_train.fp8.rescale_output_grads`), another starts afresh (a recipe of your own rides in
   `dataclasses.replace(preset, fp8=recipe)`). Call it between steps: a
   jitted step retraces once.
   """
@@ -301,6 +302,7 @@ def adjust_nnx_precision(
   from flax.nnx import filterlib
   from flax.nnx.training.optimizer import to_opt_state
 
+  from jmp_train._src import fp8 as fp8_lib
   from jmp_train._src import fp8_nnx
   from jmp_train._src import nnx as mp_nnx
 
@@ -325,6 +327,7 @@ def adjust_nnx_precision(
         f"{arguments.get('fp8')!r} -> {preset.fp8!r}); build the "
         "nnx.Optimizer with wrt=nnx.Param."
       )
+  keeps_fp8 = preset.fp8 is not None and arguments.get("fp8") == preset.fp8
   arguments["fp8"] = preset.fp8
   mp_nnx.wrap(model, preset.policy, **arguments)  # the new storage dtypes
   dtypes = flax_nnx.as_pure(flax_nnx.state(model, wrt))
@@ -333,6 +336,16 @@ def adjust_nnx_precision(
   )
   flax_nnx.update(model, new_params)
   optimizer.opt_state = flax_nnx.data(to_opt_state(new_state))
+  if keeps_fp8:
+    # The kept output-gradient amaxes were measured under the old loss
+    # scale: move them to the new one.
+    old, new = (
+      jnp.asarray(optimizer_state.find_state(s).loss_scaler.loss_scale)
+      for s in (opt_state, new_state)
+    )
+    if bool(new != old):
+      meta = flax_nnx.as_pure(flax_nnx.state(model, fp8_nnx.Fp8Meta))
+      flax_nnx.update(model, fp8_lib.rescale_output_grads(meta, new / old))
 
 
 class PrecisionSchedule:

@@ -133,6 +133,8 @@ class Plan:
       stores it (ZeRO-padded, with its shardings).
     logical_opt_state: the same without padding (what `tx.init(params)`
       builds and a checkpoint holds); padded leaves are not data-split.
+    params: `jax.ShapeDtypeStruct`s of the params the plan was made for,
+      with their shardings.
   """
 
   mesh: Mesh
@@ -142,6 +144,7 @@ class Plan:
   param_shardings: Any
   opt_state: Any
   logical_opt_state: Any
+  params: Any = None
 
   @property
   def num_shards(self) -> int:
@@ -282,16 +285,22 @@ def make_plan(
     sharding = NamedSharding(mesh, P(*spec))
     return jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sharding)
 
+  param_shardings = jax.tree.map(
+    lambda lay: NamedSharding(mesh, P(*lay.spec)), layouts, is_leaf=is_layout
+  )
   return Plan(
     mesh=mesh,
     data_axis=data_axis,
     zero_stage=zero_stage,
     layouts=layouts,
-    param_shardings=jax.tree.map(
-      lambda lay: NamedSharding(mesh, P(*lay.spec)), layouts, is_leaf=is_layout
-    ),
+    param_shardings=param_shardings,
     opt_state=opt_state,
     logical_opt_state=jax.tree.map(unpadded, logical, opt_state),
+    params=jax.tree.map(
+      lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+      params,
+      param_shardings,
+    ),
   )
 
 
