@@ -7,6 +7,7 @@ and what a QDQ pattern or an excluded layer multiplies in.
 """
 
 import flax.linen as nn
+import flax.nnx as nnx
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -268,6 +269,14 @@ def test_bad_arguments_are_refused():
     fp8.check_fp8(lambda p: loss(p, v["fp8_meta"], X), v["params"])
   with pytest.raises(TypeError, match="fn must be callable"):
     fp8.check_fp8("loss")
+  # NNX state: the message names the cause (no paths), not a missing state.
+  model = jmp_train.nnx.wrap(
+    nnx.Linear(8, 3, rngs=nnx.Rngs(0)), "float32", fp8="current"
+  )
+  graphdef, state = nnx.split(model)
+  apply = lambda s: jnp.sum(nnx.merge(graphdef, s)(X))  # noqa: E731
+  with pytest.raises(ValueError, match="NNX records no module paths"):
+    fp8.check_fp8(jax.grad(apply), state)
   with pytest.raises(TypeError, match="jax.stages.Compiled or its HLO text"):
     fp8.compiled_matmuls(3)
 

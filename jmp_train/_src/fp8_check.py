@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend import core as jex_core
 
-from jmp_train._src.fp8 import COLLECTION, is_fp8_state
+from jmp_train._src.fp8 import COLLECTION, is_fp8_state, states
 
 # The jaxpr primitives that multiply matrices.
 MATMUL_PRIMITIVES = (
@@ -488,6 +488,14 @@ def check_fp8(
   modules = _fp8_modules(args, kwargs)
   if patterns is None:
     wanted = fp8_layers(*args, **kwargs)
+    if not wanted and states((args, kwargs)):
+      raise ValueError(
+        "check_fp8: args hold FP8 state, but not in a linen 'fp8_meta' "
+        "collection (NNX layers keep it in jmp_train.nnx.Fp8Meta variables), "
+        "and NNX records no module paths in the jaxpr, so check_fp8 cannot "
+        "tell its layers apart: list each matmul's operand dtypes with "
+        "fp8.matmuls(fn, *args) instead."
+      )
     if not wanted:
       raise ValueError(
         "check_fp8: with layers=None it checks the layers holding FP8 "
