@@ -367,6 +367,20 @@ def test_what_the_program_asks_for_wins():
   # An explicit matmul precision (an algorithm, or HIGHEST).
   exact = lambda w, x: jnp.dot(x, w, precision="highest")  # noqa: E731
   assert dtypes_of(autocast(exact, BF16), W, X) == [("float32", "float32")]
+  # A product wider than its operands; a float32 matmul's product goes down.
+  wide = lambda w, x: jnp.dot(  # noqa: E731
+    x.astype(jnp.bfloat16),
+    w.astype(jnp.bfloat16),
+    preferred_element_type=jnp.float32,
+  )
+  for fn, want in ((wide, "float32"), (lambda w, x: x @ w, "bfloat16")):
+    (dot,) = [
+      e
+      for e in equations(autocast(fn, BF16), W, X)
+      if e.primitive.name == "dot_general"
+    ]
+    assert dot.params["preferred_element_type"] == want
+    assert dot.outvars[0].aval.dtype == want
   # An nnx.wrap override.
   net = nnx.Sequential(
     nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1))
