@@ -393,7 +393,7 @@ def test_a_pattern_that_excludes_nothing_is_refused(pattern):
   )
   with pytest.raises(
     ValueError,
-    match=r"modules: DenseGeneral_0, Dense_0, Einsum_0, LayerNorm_0, head\.",
+    match=r"with params: DenseGeneral_0, Dense_0, Einsum_0, LayerNorm_0, head\.",
   ):
     jax.eval_shape(model.apply, v, jnp.ones((2, 5)))
   # Without FP8 the patterns change nothing and are not checked; a wrap

@@ -54,7 +54,7 @@ import numpy as np
 from flax.core import meta
 from flax.nnx import graph as nnx_graph
 
-from jmp_train._src import fp8_linen, fp8_param, fp8_recipe, leaves
+from jmp_train._src import fp8_linen, fp8_param, fp8_recipe, leaves, patterns
 from jmp_train._src import policy as policy_lib
 
 DEFAULT_FLOAT32_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
@@ -208,33 +208,6 @@ def _module_paths(params: Any, root: tuple) -> set[tuple[str, ...]]:
     keys = _path_keys(path)
     paths.update(root + keys[:end] for end in range(1, len(keys)))
   return paths
-
-
-def _check_patterns_select(argument: str, selectors: Any, paths: set):
-  """Refuses a name pattern among `selectors` that selects none of `paths`.
-
-  `paths` are the modules the model has: those above a param, and (for
-  `respect_dtype_fields`, which may name a module without params) those the
-  apply ran. A pattern matching neither the name nor the path of any of
-  them selects nothing, a typo that would silently leave a layer in FP8
-  (`fp8_exclude`) or computing in the compute dtype (`respect_dtype_fields`).
-  """
-  if not isinstance(selectors, tuple):
-    return
-  for item in selectors:
-    if isinstance(item, str) and not any(
-      fnmatch.fnmatchcase(p[-1] if p else "", item)
-      or fnmatch.fnmatchcase("/".join(p), item)
-      for p in paths
-    ):
-      names = sorted("/".join(p) for p in paths if p)
-      shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-      raise ValueError(
-        f"{argument} pattern {item!r} matches no module of the model, so it "
-        "selects nothing. Patterns are glob patterns matched against a "
-        "module's name and its '/'-joined path; this model's modules: "
-        f"{shown}."
-      )
 
 
 def _with_fp8(module: nn.Module, next_fun, recipe, method_name: str):
@@ -425,7 +398,9 @@ class _Wrapped(nn.Module):
       mapped[0] = True
       known.update(_module_paths(variables.get("params", {}), self.path))
       if self.fp8 is not None:  # every FP8 layer has params: check it now
-        _check_patterns_select("fp8_exclude", self.fp8_exclude, known)
+        patterns.refuse_unmatched(
+          "fp8_exclude", self.fp8_exclude, known, "modules with params"
+        )
       if initializing:
         # init's second pass, under the policy, creates the other collections
         # again (a decode cache must not exist yet, and must come out in the
@@ -521,9 +496,11 @@ class _Wrapped(nn.Module):
     else:
       out = run(self, *args, **kwargs)
     known.update(p for p in _CTX.called if p[: len(self.path)] == self.path)
-    _check_patterns_select(
-      "respect_dtype_fields", self.respect_dtype_fields, known
-    )
+    if isinstance(self.respect_dtype_fields, tuple):
+      # A module without params may have dtype fields: those run count too.
+      patterns.refuse_unmatched(
+        "respect_dtype_fields", self.respect_dtype_fields, known, "modules"
+      )
     return _cast_arrays(out, self.policy.output_dtype)
 
 

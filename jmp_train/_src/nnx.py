@@ -54,7 +54,7 @@ import flax.nnx as nnx
 import jax
 from flax.nnx import graph as nnx_graph
 
-from jmp_train._src import fp8_nnx, fp8_recipe
+from jmp_train._src import fp8_nnx, fp8_recipe, patterns
 from jmp_train._src import policy as policy_lib
 
 DEFAULT_FLOAT32_MODULES = (
@@ -158,25 +158,6 @@ def _selected(module: nnx.Module, path: tuple, item: type | str) -> bool:
     return isinstance(module, item)
   names = ["/".join(map(str, path)), *(map(str, path[-1:]))]
   return any(fnmatch.fnmatchcase(name, item) for name in names)
-
-
-def _check_patterns_select(argument: str, selectors: tuple, modules: list):
-  """Refuses a name pattern among `selectors` that selects none of `modules`
-  (path, module pairs): a typo that would silently leave a layer in FP8
-  (`fp8_exclude`) or computing in the compute dtype
-  (`respect_dtype_fields`)."""
-  for item in selectors:
-    if isinstance(item, str) and not any(
-      _selected(node, path, item) for path, node in modules
-    ):
-      names = sorted("/".join(map(str, path)) for path, _ in modules if path)
-      shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-      raise ValueError(
-        f"{argument} pattern {item!r} matches no module of the model, so it "
-        "selects nothing. Patterns are glob patterns matched against a "
-        "module's attribute name and its '/'-joined path; this model's "
-        f"modules: {shown}."
-      )
 
 
 def _inside(path: tuple, paths: list) -> bool:
@@ -509,12 +490,11 @@ def wrap(
     for path, node in [((), model), *modules]
     if any(_selected(node, path, item) for item in fp8_exclude)
   ]
+  paths = [(), *(path for path, _ in modules)]
   if recipe is not None:
-    _check_patterns_select("fp8_exclude", fp8_exclude, [((), model), *modules])
+    patterns.refuse_unmatched("fp8_exclude", fp8_exclude, paths, "modules")
   if isinstance(respect, tuple):
-    _check_patterns_select(
-      "respect_dtype_fields", respect, [((), model), *modules]
-    )
+    patterns.refuse_unmatched("respect_dtype_fields", respect, paths, "modules")
   for path, node in modules:
     if _inside(path, inner_roots):
       continue
