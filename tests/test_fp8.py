@@ -396,6 +396,26 @@ def test_a_pattern_that_excludes_nothing_is_refused(pattern):
     match=r"with params: DenseGeneral_0, Dense_0, Einsum_0, LayerNorm_0, head\.",
   ):
     jax.eval_shape(model.apply, v, jnp.ones((2, 5)))
+
+  # An init through a method that does not reach every layer is not
+  # checked (its params are partial); an apply of it is, on all params.
+  class EncDec(nn.Module):
+    def setup(self):
+      self.enc, self.dec = nn.Dense(4), nn.Dense(4)
+
+    def encode(self, x):
+      return self.enc(x)
+
+    def __call__(self, x):
+      return self.dec(self.encode(x))
+
+  enc_dec = jmp_train.linen.wrap(
+    EncDec(), "bf16", fp8=True, fp8_exclude=("dec",)
+  )
+  key, x = jax.random.key(0), jnp.ones((2, 5))
+  jax.eval_shape(functools.partial(enc_dec.init, method="encode"), key, x)
+  full = jax.eval_shape(enc_dec.init, key, x)
+  jax.eval_shape(functools.partial(enc_dec.apply, method="encode"), full, x)
   # Without FP8 the patterns change nothing and are not checked; a wrap
   # inside a model matches the full path.
   plain = jmp_train.linen.wrap(Block(), "bf16", fp8_exclude=(pattern,))

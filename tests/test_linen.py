@@ -516,9 +516,15 @@ class Upcast(nn.Module):
 
 
 class HeadAndUpcast(nn.Module):
-  @nn.compact
+  def setup(self):
+    self.net = FloatHead()
+    self.up = Upcast()
+
+  def features(self, x):  # does not run `up`
+    return self.net(x)
+
   def __call__(self, x):
-    return Upcast(name="up")(FloatHead(name="net")(x))
+    return self.up(self.net(x))
 
 
 def test_respect_dtype_fields_refuses_a_pattern_that_selects_nothing():
@@ -527,13 +533,16 @@ def test_respect_dtype_fields_refuses_a_pattern_that_selects_nothing():
   model = mp_linen.wrap(FloatHead(), BF16_MIXED, respect_dtype_fields=("haed",))
   with pytest.raises(ValueError, match="'haed' matches no .*: body, head\\."):
     jax.eval_shape(model.init, jax.random.key(0), x)
-  # A module without params is matched by the modules the apply runs.
+  # A module without params is matched by the modules init runs; an apply
+  # of a method that does not run it is not refused.
   for respect, dtype in [((), jnp.bfloat16), (("up",), np.float32)]:
     model = mp_linen.wrap(
       HeadAndUpcast(), BF16_MIXED, respect_dtype_fields=respect
     )
-    out = model.apply(model.init(jax.random.key(0), x), x)
+    variables = model.init(jax.random.key(0), x)
+    out = model.apply(variables, x)
     np.testing.assert_array_equal(out, np.float32(dtype(1 / 3)))
+    assert model.apply(variables, x, method="features").shape == (2, 2)
 
 
 @pytest.mark.parametrize(

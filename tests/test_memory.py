@@ -136,11 +136,15 @@ def test_collective_parser_on_the_async_forms_and_narrow_types():
       "  %cp = (f32[256]{0}, f32[256]{0}, u32[], u32[]) "
       "collective-permute-start(f32[256]{0} %r), channel_id=3, "
       "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+      "  %rs = ((bf16[4096]{0}), bf16[512]{0}) reduce-scatter-start("
+      f"bf16[4096]{{0}} %y), {groups}, dimensions={{0}}, to_apply=%add",
+      "  %a2a = ((f32[8,4]{1,0}), f32[8,4]{1,0}) all-to-all-start(f32[8,4]"
+      f"{{1,0}} %q), {groups}, dimensions={{0}}",
       f"  %u = s4[512]{{0}} all-gather(s4[64]{{0}} %s), {groups}",
       f"  %c = c64[8]{{0}} all-reduce(c64[8]{{0}} %z), {groups}",
     ]
   )
-  ag, ag2, cp, s4, c64 = memory.collective_stats(text, 8)
+  ag, ag2, cp, rs, a2a, s4, c64 = memory.collective_stats(text, 8)
   assert (ag.kind, ag.shape_bytes, ag.bytes) == ("all-gather", 2048, 1792)
   assert ag2.shape_bytes == 16 * 3 * 4 + 32 * 2 and ag2.max_elements == 48
   assert (cp.kind, cp.shape_bytes, cp.bytes) == (
@@ -148,6 +152,10 @@ def test_collective_parser_on_the_async_forms_and_narrow_types():
     1024,
     1024,
   )
+  assert cp.group_size == 4  # the devices of its pairs, not all 8
+  # ((inputs), output): the input the reduce-scatter splits is 8 outputs.
+  assert (rs.shape_bytes, rs.bytes) == (8192, 8192 * 7 / 8)
+  assert (a2a.shape_bytes, a2a.bytes) == (128, 128 * 7 / 8)
   assert (s4.shape_bytes, s4.bytes) == (256, 256 * 7 / 8)  # half a byte each
   assert c64.shape_bytes == 64 and c64.bytes == 2 * 64 * 7 / 8
   for bad, error in ((0, ValueError), (2.0, TypeError)):

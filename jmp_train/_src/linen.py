@@ -386,6 +386,11 @@ class _Wrapped(nn.Module):
     as_written: dict[tuple[str, ...], Any] = {}  # init's first-pass variables
     mapped = [False]
     known: set[tuple[str, ...]] = set()  # module paths, to check patterns
+    # The patterns are checked against the whole model: an apply's params
+    # (any method), or an init that runs the model's __call__. Modules
+    # without params are seen only when run, so respect_dtype_fields is
+    # checked on that init alone (an eval apply may skip a module).
+    whole = not initializing or method == "__call__"
 
     def owner_dtype(keys: tuple[str, ...]) -> Any:
       for end in range(len(keys) - 1, -1, -1):
@@ -397,7 +402,7 @@ class _Wrapped(nn.Module):
     def map_in(variables):
       mapped[0] = True
       known.update(_module_paths(variables.get("params", {}), self.path))
-      if self.fp8 is not None:  # every FP8 layer has params: check it now
+      if self.fp8 is not None and whole:  # every FP8 layer has params
         patterns.refuse_unmatched(
           "fp8_exclude", self.fp8_exclude, known, "modules with params"
         )
@@ -496,8 +501,7 @@ class _Wrapped(nn.Module):
     else:
       out = run(self, *args, **kwargs)
     known.update(p for p in _CTX.called if p[: len(self.path)] == self.path)
-    if isinstance(self.respect_dtype_fields, tuple):
-      # A module without params may have dtype fields: those run count too.
+    if initializing and whole and isinstance(self.respect_dtype_fields, tuple):
       patterns.refuse_unmatched(
         "respect_dtype_fields", self.respect_dtype_fields, known, "modules"
       )
@@ -550,7 +554,8 @@ def wrap(
     fp8_exclude: modules kept out of FP8, with everything inside them: module
       classes, or glob patterns matched against a module's name and its
       "/"-joined path (e.g. `"head"`, `"*/attention/*"`). With `fp8` set, a
-      pattern that matches no module with params raises `ValueError`.
+      pattern that matches no module with params raises `ValueError` on
+      `apply` and on an `init` of `__call__`.
     fp8_params: store the kernel of every layer that runs in FP8 as a
       `jmp_train.fp8.Fp8Param` (E4M3 values and a power-of-two scale, 1 byte
       per value; NeMo's `fp8_params`, Transformer Engine's
@@ -568,8 +573,8 @@ def wrap(
       since Flax casts its inputs and params back; its params are still
       stored in the param dtype and read in the compute dtype (use
       `overrides` for a module that must keep float32 params too). A
-      pattern that matches no module (with params, or run by the apply)
-      raises `ValueError`.
+      pattern that matches no module (with params, or run by an `init` of
+      `__call__`) raises `ValueError` there.
 
   Returns:
     A linen module whose variables have the structure of `module`'s. Call it,

@@ -237,6 +237,9 @@ def _group_size(rest: str, num_devices: int) -> int:
   m = re.search(r"replica_groups=\{\{([\d,]+)\}", rest)
   if m:
     return len(m.group(1).split(","))
+  m = re.search(r"source_target_pairs=\{(\{[\d,{}]*\})\}", rest)
+  if m:  # a collective-permute: the devices its pairs name
+    return len(set(re.findall(r"\d+", m.group(1))))
   m = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
   if m:
     return int(m.group(2))
@@ -252,8 +255,9 @@ def collective_stats(hlo_text: str, num_devices: int) -> list[Collective]:
   collectives sharding propagation adds. XLA:CPU widens bfloat16
   collectives to float32 when it compiles, so on CPU a compiled module
   counts them at 4 bytes a value. The asynchronous forms XLA:GPU emits
-  (`all-gather-start`, `collective-permute-start`, whose results hold
-  their input buffers too) count their output only.
+  (`all-gather-start`, `reduce-scatter-start`, `all-to-all-start`,
+  `collective-permute-start`), whose results hold their input buffers too,
+  count their output only.
 
   Args:
     hlo_text: an HLO module as text.
@@ -273,8 +277,9 @@ def collective_stats(hlo_text: str, num_devices: int) -> list[Collective]:
     if not m:
       continue
     kind, out_type = m.group("kind"), m.group("type")
-    if m.group("start") and kind in ("all-gather", "collective-permute"):
-      # (inputs, outputs[, contexts]): the outputs are what arrives.
+    if m.group("start") and kind != "all-reduce":
+      # (inputs, outputs[, contexts]): the outputs are what arrives. An
+      # all-reduce-start's result holds its outputs alone.
       elements = _tuple_elements(out_type)
       out_type = elements[1] if len(elements) > 1 else out_type
     g = _group_size(m.group("rest"), num_devices)
