@@ -408,6 +408,12 @@ def test_respect_dtype_fields_takes_classes_and_path_patterns():
     assert BF16_PAIR in set(dots)
   with pytest.raises(TypeError, match="respect_dtype_fields takes"):
     mp_nnx.wrap(built("float32"), "p=bf16", respect_dtype_fields=[3])
+  # A shared module is selected by any of its names.
+  model = built("float32")
+  model.twin = model.conv  # after "conv": nnx.iter_graph names it "conv"
+  mp_nnx.wrap(model, "p=bf16,c=bf16,o=f32", respect_dtype_fields=("twin",))
+  assert model.conv.dtype is jnp.float32
+  assert np.dtype(model.mlp.dtype) == jnp.bfloat16
   # A typo would leave the conv computing in bfloat16, with no error.
   with pytest.raises(ValueError, match="'cnov' matches no module .*: conv, "):
     mp_nnx.wrap(built("float32"), "p=bf16", respect_dtype_fields=("cnov",))

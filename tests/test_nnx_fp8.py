@@ -519,6 +519,11 @@ def test_bad_fp8_arguments_are_refused_by_name():
     jmp_train.nnx.wrap(build(), "bf16", fp8=True, fp8_exclude=("head", "haed"))
   model = jmp_train.nnx.wrap(build(), "bf16", fp8_exclude=("haed",))
   assert not hasattr(model.hid, "fp8_meta")  # without FP8, not checked
+  # A shared module is selected by any of its names.
+  tied = build()
+  tied.tied = tied.hid
+  jmp_train.nnx.wrap(tied, "bf16", fp8=True, fp8_exclude=("tied",))
+  assert not hasattr(tied.hid, "fp8_meta") and hasattr(tied.head, "fp8_meta")
   clash = build()
   clash.hid.fp8_meta = nnx.Variable(jnp.zeros(3))
   with pytest.raises(ValueError, match="'hid' has an attribute 'fp8_meta'"):

@@ -160,22 +160,51 @@ def _selected(module: nnx.Module, path: tuple, item: type | str) -> bool:
   return any(fnmatch.fnmatchcase(name, item) for name in names)
 
 
+def _every_path(model: nnx.Module) -> dict[int, tuple]:
+  """Each module of `model`, by id, with every path it sits at.
+
+  `nnx.iter_graph` gives a shared module once, at its first path; a name
+  pattern may name it at another (`self.tied = self.enc`).
+  """
+  found: dict[int, tuple] = {}
+
+  def walk(node: Any, path: tuple, above: frozenset) -> None:
+    if isinstance(node, nnx.Module):
+      found.setdefault(id(node), (node, []))[1].append(path)
+    impl = nnx_graph.get_node_impl(node)
+    if impl is None or id(node) in above:
+      return
+    for key, child in impl.node_dict(node).items():
+      if nnx_graph.is_node(child):
+        walk(child, (*path, key), above | {id(node)})
+
+  walk(model, (), frozenset())
+  return found
+
+
+def _selected_paths(every: dict[int, tuple], items: tuple) -> list[tuple]:
+  """The paths (from `_every_path`) at which one of `items` selects."""
+  return [
+    path
+    for node, paths in every.values()
+    for path in paths
+    if any(_selected(node, path, item) for item in items)
+  ]
+
+
 def _inside(path: tuple, paths: list) -> bool:
   """Whether `path` is one of `paths` or inside one of them."""
   return any(path[: len(p)] == p for p in paths)
 
 
-def _respected(modules: list, respect: bool | tuple):
+def _respected(model: nnx.Module, modules: list, respect: bool | tuple):
   """`modules` (from `_owners`) with whether each keeps its dtype attributes:
   all with True; with selectors, those matching and everything inside them."""
-  matched = [
-    path
-    for module, _, _, path in modules
-    if respect is not True
-    and any(_selected(module, path, item) for item in respect or ())
-  ]
+  every = _every_path(model)
+  matched = [] if respect is True else _selected_paths(every, respect or ())
   for module, config, in_inner_wrap, path in modules:
-    respected = respect is True or _inside(path, matched)
+    paths = every.get(id(module), (module, [path]))[1]
+    respected = respect is True or any(_inside(p, matched) for p in paths)
     yield module, config, in_inner_wrap, respected
 
 
@@ -485,12 +514,15 @@ def wrap(
     if getattr(node, _CONFIG, None) is not None
     and getattr(node, _CONFIG).is_root
   ]
-  excluded = [  # kept out of FP8, with everything inside them
-    path
-    for path, node in [((), model), *modules]
-    if any(_selected(node, path, item) for item in fp8_exclude)
-  ]
-  paths = [(), *(path for path, _ in modules)]
+  every = _every_path(model)  # a shared module at each of its paths
+  # Kept out of FP8, with everything inside them.
+  excluded = _selected_paths(every, fp8_exclude)
+
+  def fp8_of(node: nnx.Module) -> Any:
+    paths = every[id(node)][1]
+    return None if any(_inside(p, excluded) for p in paths) else recipe
+
+  paths = [p for _, node_paths in every.values() for p in node_paths]
   if recipe is not None:
     patterns.refuse_unmatched("fp8_exclude", fp8_exclude, paths, "modules")
   if isinstance(respect, tuple):
@@ -499,7 +531,7 @@ def wrap(
     if _inside(path, inner_roots):
       continue
     _unconvert(node)  # as written, whatever this model's previous wrap did
-    _set_fp8(node, None if _inside(path, excluded) else recipe, path)
+    _set_fp8(node, fp8_of(node), path)
     override = policy_lib.find_override(node, table)
     if override is not None:
       _, sub_policy, to_enclosing = override
@@ -512,10 +544,12 @@ def wrap(
     ("fp8_exclude", fp8_exclude),
   )
   _unconvert(model)
-  _set_fp8(model, None if _inside((), excluded) else recipe, ())
+  _set_fp8(model, fp8_of(model), ())
   _convert(model, _Config(policy, False, True, arguments), methods)
   modules, params = _owners(model)
-  for module, config, in_inner_wrap, respected in _respected(modules, respect):
+  for module, config, in_inner_wrap, respected in _respected(
+    model, modules, respect
+  ):
     if not in_inner_wrap:  # an inner wrap set its modules' dtype attributes
       _set_dtype_attributes(module, None if respected else config.policy)
   for param, config in params:
