@@ -216,7 +216,9 @@ def rescale_output_grads(tree: Any, factor: jax.typing.ArrayLike) -> Any:
   Args:
     tree: a pytree holding `Fp8DotState`s (other leaves returned as they
       are).
-    factor: the new loss scale over the old, a positive finite number.
+    factor: the new loss scale over the old, a positive finite number
+      (checked when it is concrete: call it between steps, as a switch
+      is made; under jit nothing can check a traced factor).
 
   Returns:
     `tree` with each state's output-gradient row rescaled.

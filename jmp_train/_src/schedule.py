@@ -35,6 +35,7 @@ from jmp_train._src import (
   optimizer_state,
   state_format,
   state_storage,
+  transform,
 )
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
@@ -166,7 +167,10 @@ def adjust_precision(
   """Converts params and a `mixed_precision` optimizer state to `preset`.
 
   Call it between two jitted steps (not inside jit: dtypes change, so the
-  step retraces once), then wrap the model with `preset.policy`.
+  step retraces once), then wrap the model with `preset.policy`. FP8 state
+  lives outside params and is not converted here: a kept delayed history
+  whose loss scale changes needs `jmp_train.fp8.rescale_output_grads(
+  fp8_meta, new_scale / old_scale)` (`adjust_nnx_precision` does it).
 
   Args:
     params: the current params (as passed to `tx.update`).
@@ -294,9 +298,9 @@ def adjust_nnx_precision(
   transformation are kept. FP8 follows the preset: a preset without a
   recipe turns it off, the recipe the model has keeps its FP8 history (the
   output gradients' moved to the new loss scale,
-  `jmp_train.fp8.rescale_output_grads`), another starts afresh (a recipe of your own rides in
-  `dataclasses.replace(preset, fp8=recipe)`). Call it between steps: a
-  jitted step retraces once.
+  `jmp_train.fp8.rescale_output_grads`), another starts afresh (a recipe
+  of your own rides in `dataclasses.replace(preset, fp8=recipe)`). Call it
+  between steps: a jitted step retraces once.
   """
   from flax import nnx as flax_nnx
   from flax.nnx import filterlib
@@ -339,10 +343,7 @@ def adjust_nnx_precision(
   if keeps_fp8:
     # The kept output-gradient amaxes were measured under the old loss
     # scale: move them to the new one.
-    old, new = (
-      jnp.asarray(optimizer_state.find_state(s).loss_scaler.loss_scale)
-      for s in (opt_state, new_state)
-    )
+    old, new = (transform.current_loss_scale(s) for s in (opt_state, new_state))
     if bool(new != old):
       meta = flax_nnx.as_pure(flax_nnx.state(model, fp8_nnx.Fp8Meta))
       flax_nnx.update(model, fp8_lib.rescale_output_grads(meta, new / old))
