@@ -89,8 +89,11 @@ def loss_scale_alarms(
   Returns:
     `{"falling": ..., "at_minimum": ...}`, bool scalars: `falling` when the
     last `falling_streak` or more steps were all skipped; `at_minimum` when a
-    dynamic loss scale sits at its `min_scale` and the last step was skipped
-    anyway (the run is no longer making progress; DeepSpeed stops here).
+    dynamic loss scale has come down to its `min_scale` and the last step was
+    skipped: the next step runs at the minimum, and one that still
+    overflows there is the model's fault, not the scale's (DeepSpeed raises
+    on that step, one later: the state does not say which scale the skipped
+    step ran at, so this cannot tell the two apart).
     Always False for static and no-op loss scales' `at_minimum`.
   """
   if isinstance(falling_streak, bool) or not isinstance(falling_streak, int):
@@ -122,10 +125,10 @@ def _emit(dynamic: bool, falling, at_minimum, scale, streak) -> None:
     )
   if at_minimum:
     warnings.warn(
-      f"jmp_train{where}: loss scale is at its minimum ({float(scale):g}) and "
-      f"gradients are still non-finite ({int(streak)} skipped steps in a "
-      "row): the model itself produces inf/NaN; see "
-      "jmp_train.monitor.nonfinite_report.",
+      f"jmp_train{where}: loss scale has come down to its minimum "
+      f"({float(scale):g}) with gradients still non-finite ({int(streak)} "
+      "skipped steps in a row); if steps still overflow at this scale, the "
+      "model itself produces inf/NaN: see jmp_train.monitor.nonfinite_report.",
       RuntimeWarning,
       stacklevel=2,
     )
