@@ -782,3 +782,17 @@ def test_complex_leaves_are_scaled_and_checked(variant):
   bad = tree["z"].at[2].set(complex(1.0, np.nan))
   assert not bool(variant(jmp.all_finite)({"z": bad}))
   assert bool(variant(jmp.all_finite)(tree))
+
+
+def test_python_float_leaves_are_scaled_and_checked():
+  # jmp multiplies every leaf, Python numbers included (`ls.scale(1.0)` is
+  # the scale, a logging idiom); integers pass through here, as documented.
+  for ls in (jmp.StaticLossScale(8.0), jmp.dynamic_loss_scale(8.0)):
+    assert float(ls.scale(2.0)) == 16.0
+    out = ls.unscale({"l": 16.0, "n": 3, "c": 4j})
+    assert (
+      float(out["l"]) == 2.0 and out["n"] == 3 and complex(out["c"]) == 0.5j
+    )
+  assert not bool(jmp.all_finite([1.0, float("inf")]))
+  assert not bool(jmp.all_finite({"a": jnp.ones(2), "b": float("nan")}))
+  assert bool(jmp.all_finite([1.0, 2, jnp.ones(2)]))

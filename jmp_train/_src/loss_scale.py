@@ -371,11 +371,18 @@ def _reciprocal(scale: Any) -> Any:
   return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
 
 
+def _python_number_as_array(x: Any) -> Any:
+  """A Python float or complex leaf as an array (jmp scales and checks them:
+  `scale(1.0)` is the loss scale); any other leaf as it is."""
+  return jnp.asarray(x) if type(x) in (float, complex) else x
+
+
 def _scale_leaves(tree: T, factor: Any) -> T:
   """The float and complex leaves of `tree` times `factor`, in >= float32."""
   factor = jnp.asarray(factor, jnp.float32)
 
   def apply(x):
+    x = _python_number_as_array(x)
     if not leaves.is_inexact(x):
       return x
     x = leaves.widen(x)
@@ -695,6 +702,8 @@ def dynamic_loss_scale(
 def all_finite(tree: Any) -> jax.Array:
   """Returns a boolean scalar: whether every float and complex leaf is finite.
 
+  Python floats count, as in jmp.
+
   One global predicate: under jit with sharded leaves the reduction spans all
   shards. A complex leaf is finite when both parts are; integer and boolean
   leaves are finite by definition.
@@ -704,7 +713,11 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
     False
   """
-  found = [x for x in jax.tree.leaves(tree) if leaves.is_inexact(x)]
+  found = [
+    x
+    for x in map(_python_number_as_array, jax.tree.leaves(tree))
+    if leaves.is_inexact(x)
+  ]
   if not found:
     return jnp.array(True)
   return jnp.stack([jnp.isfinite(x).all() for x in found]).all()
