@@ -409,3 +409,51 @@ def test_nnx_fp8_follows_the_preset():
     schedule.adjust_nnx_precision(model, broad, "bf16-fp8-mixed")
   assert dots(model) == {("bfloat16", "bfloat16")}
   assert not hasattr(model.l1, "fp8_meta")
+
+
+def test_a_switch_of_rounding_rule_steps_with_the_new_preset_transformation():
+  # RoundToNearest and StochasticRounding keep nothing beside a param: the
+  # rule is the transformation's, not the state's (README). Updates of 1e-4
+  # are below half a bfloat16 ulp of 1 (2**-9): rounded to nearest nothing
+  # moves; rounded stochastically the mean moves by their sum, 0.02.
+  rtn = dataclasses.replace(
+    jmp_train.get_preset("bf16-true"), param_update=jmp_train.RoundToNearest()
+  )
+  sr = dataclasses.replace(rtn, param_update=jmp_train.StochasticRounding(0))
+  params = {"w": jnp.ones(256, jnp.bfloat16)}
+  old_tx = rtn.mixed_precision(optax.sgd(1e-4))
+  params, state = schedule.adjust_precision(params, old_tx.init(params), sr)
+  new_tx = sr.mixed_precision(optax.sgd(1e-4))
+  assert jax.tree.structure(new_tx.init(params)) == jax.tree.structure(state)
+
+  def final_mean(tx):
+    def step(carry, _):
+      p, s = carry
+      u, s = tx.update({"w": jnp.ones_like(p["w"])}, s, p)
+      return (optax.apply_updates(p, u), s), None
+
+    (p, _), _ = jax.lax.scan(step, (params, state), length=200)
+    return float(jnp.mean(p["w"].astype(jnp.float32)))
+
+  assert abs(final_mean(new_tx) - (1 - 200 * 1e-4)) < 0.005  # 9 sigma
+  assert final_mean(old_tx) == 1.0  # the old transformation's rule
+  # NNX: adjust_nnx_precision keeps optimizer.tx; the README sets it.
+  from flax import nnx
+
+  model = jmp_train.nnx.wrap(
+    nnx.Linear(256, 1, use_bias=False, rngs=nnx.Rngs(0)), rtn.policy
+  )
+  model.kernel.set_value(jnp.ones((256, 1), jnp.bfloat16))
+  optimizer = nnx.Optimizer(model, old_tx, wrt=nnx.Param)
+  schedule.adjust_nnx_precision(model, optimizer, sr)
+  optimizer.tx = new_tx
+
+  @nnx.jit
+  def step(model, optimizer):
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 256)))))(model)
+    optimizer.update(model, grads)
+
+  for _ in range(200):
+    step(model, optimizer)
+  mean = float(jnp.mean(model.kernel.get_value().astype(jnp.float32)))
+  assert abs(mean - (1 - 200 * 1e-4)) < 0.005

@@ -4,9 +4,11 @@ NeMo RL's `adjust_precision` changes a running job's precision (for example
 fp16 for the first steps of a fine-tune, then bf16; or bf16-true, then fp32 to
 finish). Here the switch is a pure function of the params and the optimizer
 state: `adjust_precision(params, opt_state, preset)` returns both converted
-to `preset`, and the *same* `mixed_precision` transformation keeps stepping
-with them (its update is driven by its state: which leaves carry masters and
-which loss scale runs).
+to `preset`. The new preset's transformation (the same inner optimizer)
+steps them on; so does the old one, whose update is driven by its state
+(which leaves carry masters and which loss scale runs), except for the
+rounding of params that keep nothing beside them (`RoundToNearest`,
+`StochasticRounding`), which is the transformation's.
 
 What is kept, bit for bit: the inner optimizer's state (Adam moments, step
 counts, schedules; it always sees float32), the step and skip counters, and
@@ -295,7 +297,9 @@ def adjust_nnx_precision(
   `overrides` replaces those), gives each param its float32 value in its new
   dtype, and replaces `optimizer.opt_state` (an `nnx.Optimizer` over
   `mixed_precision`) with the converted state; `optimizer.step` and its
-  transformation are kept. FP8 follows the preset: a preset without a
+  transformation are kept (a switch between `RoundToNearest` and
+  `StochasticRounding` also needs `optimizer.tx =
+  preset.mixed_precision(inner)`: that rule is the transformation's). FP8 follows the preset: a preset without a
   recipe turns it off, the recipe the model has keeps its FP8 history (the
   output gradients' moved to the new loss scale,
   `jmp_train.fp8.rescale_output_grads`), another starts afresh (a recipe

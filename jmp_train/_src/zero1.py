@@ -387,7 +387,9 @@ def place(plan: Plan, state: Any) -> Any:
     plan.logical_opt_state,
     "state.opt_state",
     "Build it with the plan's optimizer for these params (their dtypes "
-    "and shapes).",
+    "and shapes); after adjust_precision, make the plan from the new "
+    "preset's transformation (zero1.make_plan(preset.mixed_precision(inner), "
+    "params, mesh)).",
   )
   if distributed.spans_processes(plan.mesh):
     distributed.check_same_on_every_process(state, "zero1.place's state")
