@@ -554,6 +554,66 @@ def test_rngs_call_argument_advances_dropout_as_in_plain_code(preset):
     np.testing.assert_allclose(losses, plain_losses, rtol=2e-2)
 
 
+class NormDrop(nnx.Module):
+  """BatchNorm and a Dropout holding its own keys, as Flax examples write."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 8, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.out = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.drop(self.bn(self.linear(x))))
+
+
+def test_readme_step_keeps_batch_stats_and_keys_on_a_skipped_step():
+  preset = jmp_train.get_preset("bf16-mixed")
+  model = mp_nnx.wrap(NormDrop(nnx.Rngs(0)), preset.policy)
+  optimizer = nnx.Optimizer(
+    model, preset.mixed_precision(optax.adamw(1e-3)), wrt=nnx.Param
+  )
+
+  def loss_fn(out, y):
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):  # README.md, "Flax NNX"
+    scale = jmp_train.current_loss_scale(optimizer.opt_state)
+    held = nnx.clone(nnx.state(model, (nnx.BatchStat, nnx.RngState)))
+    loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(x), y) * scale)(model)
+    optimizer.update(model, grads)
+    metrics = jmp_train.train_metrics(optimizer.opt_state)
+    moved = nnx.state(model, (nnx.BatchStat, nnx.RngState))
+    nnx.update(
+      model, jmp_train.select_tree(metrics["last_step_finite"], moved, held)
+    )
+    return loss / scale, metrics
+
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(2, 16, 4)), rng.normal(size=(2, 16, 1))
+  x[1, 0, 0] = np.inf  # the second step skips
+
+  def snapshot():
+    state = nnx.to_pure_dict(nnx.state(model))
+    keys = lambda a: (
+      jax.random.key_data(a)
+      if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+      else a
+    )  # noqa: E731
+    return jax.device_get(jax.tree.map(keys, state))
+
+  states = [snapshot()]
+  for i in range(2):
+    _, metrics = train_step(model, optimizer, x[i], y[i])
+    assert bool(metrics["last_step_finite"]) == (i == 0)
+    states.append(snapshot())
+  first, skipped = states[1], states[2]
+  assert not np.array_equal(states[0]["bn"]["mean"], first["bn"]["mean"])
+  jax.tree.map(np.testing.assert_array_equal, skipped, first)
+  assert np.isfinite(skipped["bn"]["mean"]).all()
+
+
 class Accumulates(nnx.Module):
   """Updates `nnx.Variable`s it is given: a count and a running sum."""
 
