@@ -765,3 +765,42 @@ def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
   )
   with pytest.raises(ValueError, match=r"every collection.*\['batch_stats'\]"):
     bad_aux(with_state, batch)
+
+
+def test_prng_keys_in_model_state_are_refused_over_several_devices():
+  # NNX's nnx.Dropout(rngs=...) keeps its keys in the model: one copy on
+  # every device, so every device would draw the same dropout masks.
+  import flax.nnx as nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(4, 2, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.linear(x))
+
+  graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+
+  def loss_fn(params, batch, model_state, key):
+    model = nnx.merge(graphdef, params, model_state)
+    loss = jnp.mean(model(batch) ** 2)
+    return loss, (nnx.to_pure_dict(nnx.state(model, nnx.RngState)), {})
+
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+  params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+  batch = jnp.ones((8, 4))
+  plan = zero1.make_plan(tx, params, _models.mesh())
+  state = train.TrainState.create(
+    params=params, tx=tx, model_state=rest, plan=plan
+  )
+  step = train.make_train_step(loss_fn, tx, plan=plan, has_aux=True)
+  with pytest.raises(
+    ValueError,
+    match="drop/rngs/key is a PRNG key",
+  ):
+    step(state, batch)
+  # On one device the threaded keys advance, as in plain NNX.
+  one = train.TrainState.create(params=params, tx=tx, model_state=rest)
+  one, _ = train.make_train_step(loss_fn, tx, has_aux=True)(one, batch)
+  assert int(one.model_state["drop"]["rngs"]["count"]) == 1

@@ -372,6 +372,7 @@ def make_train_step(
       grads = jax.tree.map(_mean(accum_steps, 1), grads)
       work = state.params
     else:
+      _check_no_keys(state.model_state, plan)
       loss, grads, fp8_grads, model_state, metrics = _sharded(
         plan, run, state, batch, key, scale, reduce_dtype
       )
@@ -669,6 +670,26 @@ def _sum_in_float32(
     total.astype(jnp.bfloat16), axis, tiled=True, to="invarying"
   )
   return total[: g.size].reshape(g.shape)
+
+
+def _check_no_keys(model_state: Any, plan: zero1.Plan) -> None:
+  """Refuses PRNG keys in the model state of a step over several devices:
+  one copy of it is on every device, so each would draw the same numbers
+  (NNX's `nnx.Rngs` held by a module: its dropout masks would repeat)."""
+  if plan.num_shards == 1:
+    return
+  for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+      raise ValueError(
+        f"model_state leaf {leaves.keystr(path)} is a PRNG key: with a plan "
+        f"over {plan.num_shards} devices each device holds the same copy and "
+        "would draw the same random numbers from it. Draw them from the "
+        "step's key (loss_fn's `key`, different per step, micro-batch and "
+        "device): model(x, rngs=nnx.Rngs(dropout=key)) in NNX, keeping the "
+        "module's own Rngs out of model_state (nnx.split(model, nnx.Param, "
+        "nnx.RngState, ...)); rngs={'dropout': key} in linen."
+      )
 
 
 def _device_mean(x: jax.Array, axis: str) -> jax.Array:
