@@ -694,3 +694,39 @@ def test_a_checkpoint_with_an_extra_hysteresis_tracker_says_why(tmp_path):
   with checkpoint.Checkpointer(tmp_path) as ckpt:
     with pytest.raises(ValueError, match="earlier jmp_train wrote it"):
       ckpt.restore(params, tx=target)
+
+
+def test_keys_in_model_state_and_an_empty_optimizer_state_round_trip(tmp_path):
+  # NNX's nnx.Rngs put typed keys in model_state; optax.sgd has no state
+  # leaves (orbax refuses an empty item).
+  def build(tx, impl="threefry2x32"):
+    return train.TrainState.create(
+      params={"w": jnp.arange(3.0)},
+      tx=tx,
+      model_state={"rngs": {"key": jax.random.key(3, impl=impl), "n": 7}},
+    )
+
+  for name, tx in (("adam", optax.adam(0.1)), ("sgd", optax.sgd(0.1))):
+    state = build(tx)
+    with checkpoint.Checkpointer(tmp_path / name) as ckpt:
+      ckpt.save_state(state)
+      ckpt.wait()
+      for target in (jax.eval_shape(lambda tx=tx: build(tx)), build(tx)):
+        got = ckpt.restore_state(target)
+        key = got.model_state["rngs"]["key"]
+        assert key.dtype == state.model_state["rngs"]["key"].dtype
+        np.testing.assert_array_equal(
+          jax.random.key_data(key),
+          jax.random.key_data(state.model_state["rngs"]["key"]),
+        )
+        assert int(got.model_state["rngs"]["n"]) == 7
+        _assert_trees_equal(got.opt_state, state.opt_state)
+      with pytest.raises(
+        ValueError, match=r"at model_state leaf rngs/key; the"
+      ):
+        ckpt.restore_state(jax.eval_shape(lambda tx=tx: build(tx, "rbg")))
+  with checkpoint.Checkpointer(tmp_path / "sgd") as ckpt:
+    with pytest.raises(
+      ValueError, match="opt_state holds no leaves; the target"
+    ):
+      ckpt.restore_state(jax.eval_shape(lambda: build(optax.adam(0.1))))

@@ -50,7 +50,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from jmp_train._src import checkpoint_format as fmt
-from jmp_train._src import distributed, train, zero1
+from jmp_train._src import distributed, leaves, train, zero1
 
 _logger = logging.getLogger("jmp_train.checkpoint")
 
@@ -162,6 +162,25 @@ def _key_data(key: Any) -> jax.ShapeDtypeStruct:
     jax.random.key_data, jax.ShapeDtypeStruct(key.shape, key.dtype)
   )
   return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=key.sharding)
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _keys_as_data(tree: Any) -> tuple[Any, dict[str, str]]:
+  """`tree` with each typed PRNG key as its `key_data` (orbax stores arrays
+  of numbers), and each such leaf's path with its implementation."""
+  impls: dict[str, str] = {}
+
+  def data(path, x):
+    if not _is_key(x):
+      return x
+    impls[leaves.keystr(path)] = str(jax.random.key_impl(x))
+    return jax.random.key_data(x)
+
+  return jax.tree_util.tree_map_with_path(data, tree), impls
 
 
 class Checkpointer:
@@ -293,10 +312,12 @@ class Checkpointer:
     key = state.key
     if key is not None:
       key = jax.random.key_data(key)
+    # Keys a model keeps (NNX's nnx.Rngs), as data with their implementation.
+    model_state, model_keys = _keys_as_data(state.model_state)
     rest = {
       "step": state.step,
       "key": key,
-      "model_state": state.model_state,
+      "model_state": model_state,
       "fp8": state.fp8,
     }
     items = {
@@ -307,7 +328,8 @@ class Checkpointer:
     impl = None if key is None else str(jax.random.key_impl(state.key))
     if plan is None:
       items = _global(items, "save_state's state (without a plan)")
-    self._write(step, items, {"train_state": True, "key_impl": impl})
+    meta = {"train_state": True, "key_impl": impl, "model_keys": model_keys}
+    self._write(step, items, meta)
 
   def save(
     self,
@@ -379,12 +401,17 @@ class Checkpointer:
         f"save deletes the checkpoints after n); otherwise use a step above "
         f"{steps[-1]}."
       )
+    flats = {k: fmt.flat(v) for k, v in items.items()}
+    # orbax refuses an item without leaves (optax.sgd's state): it is left
+    # out, and the meta says so.
+    empty = sorted(k for k, flat in flats.items() if not flat)
     meta = {
       "master_weights": self.use_master_weights_in_ckpt,
       "format": fmt.FORMAT,
+      "empty_items": empty,
       **meta,
     }
-    args = {k: ocp.args.StandardSave(fmt.flat(v)) for k, v in items.items()}
+    args = {k: ocp.args.StandardSave(flat) for k, flat in flats.items() if flat}
     written = self._manager.save(
       step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(meta))
     )
@@ -459,10 +486,21 @@ class Checkpointer:
       logical = target.replace(opt_state=plan.logical_opt_state)
     want = jax.tree.map(_abstract, logical, shardings)
     self._check_key(step, meta.get("key_impl"), want.key)
+    model_keys = meta.get("model_keys", {})
+
+    def key_data(path, x):
+      if not _is_key(x):
+        return x
+      where = f"model_state leaf {leaves.keystr(path)}"
+      self._check_key(step, model_keys.get(leaves.keystr(path)), x, where)
+      return _key_data(x)
+
     rest = {
       "step": want.step,
       "key": None if want.key is None else _key_data(want.key),
-      "model_state": want.model_state,
+      "model_state": jax.tree_util.tree_map_with_path(
+        key_data, want.model_state
+      ),
       "fp8": want.fp8,
     }
     got = self._restore(step, meta, want.params, want.opt_state, rest)
@@ -470,11 +508,20 @@ class Checkpointer:
     key = rest["key"]
     if key is not None:
       key = jax.random.wrap_key_data(key, impl=meta["key_impl"])
+    model_state = jax.tree_util.tree_map_with_path(
+      lambda path, x, w: (
+        jax.random.wrap_key_data(x, impl=model_keys[leaves.keystr(path)])
+        if _is_key(w)
+        else x
+      ),
+      rest["model_state"],
+      want.model_state,
+    )
     state = train.TrainState(
       step=rest["step"],
       params=got["params"],
       opt_state=got["opt_state"],
-      model_state=rest["model_state"],
+      model_state=model_state,
       fp8=rest["fp8"],
       key=key,
     )
@@ -574,22 +621,27 @@ class Checkpointer:
       )
     return step, steps, meta
 
-  def _check_key(self, step: int, impl: str | None, key: Any) -> None:
-    """Refuses a target whose PRNG key differs from the saved one in
-    presence or implementation (threefry, rbg, ...)."""
+  def _check_key(
+    self, step: int, impl: str | None, key: Any, where: str = "key"
+  ) -> None:
+    """Refuses a target whose PRNG key (`where`: the train state's, or a
+    model-state leaf) differs from the saved one in presence or
+    implementation (threefry, rbg, ...)."""
+    at = "" if where == "key" else f" at {where}"
     if (impl is None) != (key is None):
       saved = "no PRNG key" if impl is None else f"a {impl} PRNG key"
       wanted = "none" if key is None else f"one ({key.dtype})"
       raise ValueError(
-        f"Checkpoint {step} in {self.directory} holds {saved}; the target's "
-        f"key is {wanted}. Pass a target whose key matches the saved run's."
+        f"Checkpoint {step} in {self.directory} holds {saved}{at}; the "
+        f"target's {where} is {wanted}. Pass a target whose keys match the "
+        "saved run's."
       )
     if impl is not None:
       saved = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
       if saved != key.dtype:
         raise ValueError(
           f"Checkpoint {step} in {self.directory} holds a {impl} PRNG key "
-          f"({saved}); the target's key is {key.dtype}."
+          f"({saved}){at}; the target's {where} is {key.dtype}."
         )
 
   def _restore(
@@ -608,8 +660,11 @@ class Checkpointer:
     targets = {"params": params, "opt_state": stored}
     if rest is not None:
       targets["train"] = rest
-    self._check_metadata(step, targets)
-    flats = self._restore_arrays(step, targets)
+    empty = set(meta.get("empty_items", ()))
+    self._check_metadata(step, targets, empty)
+    stored = {k: v for k, v in targets.items() if k not in empty}
+    flats = {k: {} for k in empty}
+    flats.update(self._restore_arrays(step, stored).items())
     got = {item: fmt.unflat(targets[item], flats[item]) for item in targets}
     if not meta["master_weights"]:
       got["opt_state"] = jax.jit(
@@ -629,12 +684,21 @@ class Checkpointer:
         f"{sorted(self._manager.all_steps())}."
       ) from e
 
-  def _check_metadata(self, step: int, targets: dict[str, Any]) -> None:
+  def _check_metadata(
+    self, step: int, targets: dict[str, Any], empty: set[str]
+  ) -> None:
     saved = self._read(
       step, "metadata", lambda: self._manager.item_metadata(step)
     )
     for item, tree in targets.items():
-      fmt.check_matches(saved[item], tree, f"Checkpoint {step} {item}")
+      where = f"Checkpoint {step} {item}"
+      if item not in empty:
+        fmt.check_matches(saved[item], tree, where)
+      elif wanted := list(fmt.flat(tree))[:5]:
+        raise ValueError(
+          f"{where} holds no leaves; the target's has {wanted} (up to 5): "
+          "another model or optimizer."
+        )
 
   def _restore_arrays(
     self, step: int, targets: dict[str, Any]
