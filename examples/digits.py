@@ -56,15 +56,16 @@ def parse_args(argv=None):
   p.add_argument(
     "--init-scale",
     type=float,
-    default=2.0**15,
-    help="initial loss scale (presets with dynamic scaling)",
+    default=None,
+    help="initial loss scale (default 2**15; presets with dynamic scaling)",
   )
   p.add_argument(
     "--growth-interval",
     type=int,
-    default=100,
-    help="finite steps between loss-scale growths; shorter than "
-    "the presets' 2000 so a short run shows the scaler work",
+    default=None,
+    help="finite steps between loss-scale growths (default 100, shorter "
+    "than the presets' 2000 so a short run shows the scaler work; presets "
+    "with dynamic scaling)",
   )
   p.add_argument(
     "--max-steps", type=int, default=None, help="stop early (tests)"
@@ -85,7 +86,27 @@ def parse_args(argv=None):
     default=None,
     help="amax history length of delayed scaling (default: the recipe's)",
   )
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  for flag in ("epochs", "batch_size", "max_steps"):
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      p.error(f"--{flag.replace('_', '-')} must be 1 or more, got {value}")
+  dynamic = isinstance(
+    jmp_train.get_preset(args.preset).loss_scale, jmp_train.DynamicLossScale
+  )
+  given = [
+    f for f in ("init_scale", "growth_interval") if getattr(args, f) is not None
+  ]
+  if given and not dynamic:
+    p.error(
+      f"--{given[0].replace('_', '-')} sets a dynamic loss scale, and preset "
+      f"{args.preset} has none: leave it out"
+    )
+  if dynamic:
+    args.init_scale = 2.0**15 if args.init_scale is None else args.init_scale
+    if args.growth_interval is None:
+      args.growth_interval = 100
+  return args
 
 
 class CNN(nn.Module):
@@ -133,6 +154,11 @@ def main(argv=None):
     random_state=args.seed,
   )
   steps_per_epoch = len(x_train) // args.batch_size
+  if steps_per_epoch == 0:
+    raise SystemExit(
+      f"--batch-size {args.batch_size} is more than the {len(x_train)} "
+      "training images: give at most that many."
+    )
   total_steps = args.epochs * steps_per_epoch
   if args.max_steps is not None:
     total_steps = min(total_steps, args.max_steps)

@@ -130,14 +130,15 @@ def parse_args(argv=None):
   p.add_argument(
     "--init-scale",
     type=float,
-    default=2.0**15,
-    help="initial loss scale (presets with a dynamic one)",
+    default=None,
+    help="initial loss scale (default 2**15; presets with a dynamic one)",
   )
   p.add_argument(
     "--growth-interval",
     type=int,
-    default=50,
-    help="finite steps between loss-scale growths (short, to show it work)",
+    default=None,
+    help="finite steps between loss-scale growths (default 50, short to "
+    "show it work; presets with a dynamic scale)",
   )
   p.add_argument(
     "--eval-every",
@@ -156,6 +157,34 @@ def parse_args(argv=None):
     if name not in jmp_train.PRESETS:
       p.error(f"unknown preset {name!r}; known: {', '.join(jmp_train.PRESETS)}")
   args.presets = presets
+  for flag in (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "layers",
+    "heads",
+    "eval_every",
+  ):
+    if getattr(args, flag) < 1:
+      p.error(f"--{flag.replace('_', '-')} must be 1 or more")
+  dynamic = [
+    n
+    for n in presets
+    if isinstance(
+      jmp_train.get_preset(n).loss_scale, jmp_train.DynamicLossScale
+    )
+  ]
+  given = [
+    f for f in ("init_scale", "growth_interval") if getattr(args, f) is not None
+  ]
+  if given and not dynamic:
+    p.error(
+      f"--{given[0].replace('_', '-')} sets a dynamic loss scale, and no "
+      f"preset here ({', '.join(presets)}) has one: leave it out"
+    )
+  args.init_scale = 2.0**15 if args.init_scale is None else args.init_scale
+  if args.growth_interval is None:
+    args.growth_interval = 50
   fp8_presets = [n for n in presets if jmp_train.get_preset(n).fp8]
   if args.autocast and (
     args.fp8 not in (None, "off") or args.fp8_params or fp8_presets

@@ -85,3 +85,30 @@ def test_readme_quick_start_runs():
   namespace = {}
   exec(compile(code, "README.md quick start", "exec"), namespace)  # noqa: S102
   assert namespace["losses"][-1] < namespace["losses"][0]
+
+
+def test_example_flags_that_cannot_apply_are_refused_by_name(tmp_path, capsys):
+  digits = load("examples/digits.py")
+  gpt = load("examples/gpt.py")
+  refused = [
+    (digits["parse_args"], ["--preset", "bf16-mixed", "--init-scale", "8"]),
+    (digits["parse_args"], ["--max-steps", "0"]),
+    (digits["parse_args"], ["--epochs", "0"]),
+    (gpt["parse_args"], ["--eval-every", "0"]),
+    (
+      gpt["parse_args"],
+      ["--compare", "fp32,bf16-mixed", "--growth-interval", "5"],
+    ),
+  ]
+  for parse, argv in refused:
+    with pytest.raises(SystemExit):
+      parse(argv)
+    assert argv[-2] in capsys.readouterr().err, argv
+  with pytest.raises(
+    SystemExit, match="--batch-size 5000 is more than the 1437"
+  ):
+    digits["main"](["--batch-size", "5000", "--out", str(tmp_path)])
+  # Defaults fill in for presets with a dynamic scale, and for none else.
+  args = digits["parse_args"](["--preset", "fp16-mixed"])
+  assert (args.init_scale, args.growth_interval) == (2.0**15, 100)
+  assert digits["parse_args"](["--preset", "bf16-mixed"]).init_scale is None
