@@ -730,3 +730,12 @@ def test_keys_in_model_state_and_an_empty_optimizer_state_round_trip(tmp_path):
       ValueError, match="opt_state holds no leaves; the target"
     ):
       ckpt.restore_state(jax.eval_shape(lambda: build(optax.adam(0.1))))
+  # An earlier jmp_train kept no record of such keys: it says so.
+  meta = tmp_path / "adam" / "0" / "meta" / "metadata"
+  saved = json.loads(meta.read_text())
+  meta.write_text(
+    json.dumps({k: v for k, v in saved.items() if k != "model_keys"})
+  )
+  with checkpoint.Checkpointer(tmp_path / "adam") as ckpt:
+    with pytest.raises(ValueError, match="earlier jmp_train, .* rngs/key"):
+      ckpt.restore_state(jax.eval_shape(lambda: build(optax.adam(0.1))))

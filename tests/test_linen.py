@@ -533,6 +533,10 @@ def test_respect_dtype_fields_refuses_a_pattern_that_selects_nothing():
   model = mp_linen.wrap(FloatHead(), BF16_MIXED, respect_dtype_fields=("haed",))
   with pytest.raises(ValueError, match="'haed' matches no .*: body, head\\."):
     jax.eval_shape(model.init, jax.random.key(0), x)
+  # Params made without the wrap (a restored or pretrained model): apply.
+  variables = jax.eval_shape(FloatHead().init, jax.random.key(0), x)
+  with pytest.raises(ValueError, match="'haed' matches no module"):
+    jax.eval_shape(model.apply, variables, x)
   # A module without params is matched by the modules init runs; an apply
   # of a method that does not run it is not refused.
   for respect, dtype in [((), jnp.bfloat16), (("up",), np.float32)]:

@@ -492,6 +492,13 @@ class Checkpointer:
       if not _is_key(x):
         return x
       where = f"model_state leaf {leaves.keystr(path)}"
+      if "model_keys" not in meta:
+        raise ValueError(
+          f"Checkpoint {step} in {self.directory} was written by an earlier "
+          f"jmp_train, which kept no record of the PRNG key at {where}: "
+          "restore into a target holding its jax.random.key_data there, "
+          "then jax.random.wrap_key_data."
+        )
       self._check_key(step, model_keys.get(leaves.keystr(path)), x, where)
       return _key_data(x)
 

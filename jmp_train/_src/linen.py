@@ -389,7 +389,8 @@ class _Wrapped(nn.Module):
     # The patterns are checked against the whole model: an apply's params
     # (any method), or an init that runs the model's __call__. Modules
     # without params are seen only when run, so respect_dtype_fields is
-    # checked on that init alone (an eval apply may skip a module).
+    # checked on calls of __call__ (init and apply), against the modules
+    # above params and those the call ran.
     whole = not initializing or method == "__call__"
 
     def owner_dtype(keys: tuple[str, ...]) -> Any:
@@ -501,7 +502,7 @@ class _Wrapped(nn.Module):
     else:
       out = run(self, *args, **kwargs)
     known.update(p for p in _CTX.called if p[: len(self.path)] == self.path)
-    if initializing and whole and isinstance(self.respect_dtype_fields, tuple):
+    if method == "__call__" and isinstance(self.respect_dtype_fields, tuple):
       patterns.refuse_unmatched(
         "respect_dtype_fields", self.respect_dtype_fields, known, "modules"
       )
@@ -573,8 +574,10 @@ def wrap(
       since Flax casts its inputs and params back; its params are still
       stored in the param dtype and read in the compute dtype (use
       `overrides` for a module that must keep float32 params too). A
-      pattern that matches no module (with params, or run by an `init` of
-      `__call__`) raises `ValueError` there.
+      pattern that matches no module (with params, or run by the call)
+      raises `ValueError` in `init` and `apply` of `__call__`; name a
+      module without params that a call may skip (an eval apply) by its
+      parent instead.
 
   Returns:
     A linen module whose variables have the structure of `module`'s. Call it,
