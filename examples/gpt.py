@@ -301,7 +301,9 @@ def run_preset(args, preset_name, text, out_dir):
       and len(devices) < ZERO1_DEVICES
     ):
       raise SystemExit(
-        f"--zero1 needs {ZERO1_DEVICES} devices, JAX has {len(devices)}."
+        f"--zero1 in one CPU process needs {ZERO1_DEVICES} devices, JAX has "
+        f"{len(devices)} (the example makes {ZERO1_DEVICES} itself unless "
+        "XLA_FLAGS names a count, as launch --cpu-devices does)."
       )
     mesh = jax.make_mesh(
       (len(devices),),
@@ -529,10 +531,14 @@ def main(argv=None):
   # jmp_train.launch, ...); a lone process goes on alone. Before anything
   # touches a device.
   many = distributed.initialize()
-  if args.zero1 and not many:
+  named = "xla_force_host_platform_device_count" in os.environ.get(
+    "XLA_FLAGS", ""
+  )
+  if args.zero1 and not many and not named:
     # On a CPU, ZeRO-1's devices are virtual; JAX makes them when it starts,
     # so this comes before anything runs (GPUs and TPUs are what they are;
-    # a launcher sets each process's CPU devices itself).
+    # a launcher, `launch -n 1 --cpu-devices 4` included, sets each
+    # process's CPU devices itself).
     jax.config.update("jax_num_cpu_devices", ZERO1_DEVICES)
   text = load_text(args.text_bytes)
   out_dir = pathlib.Path(args.out) / (

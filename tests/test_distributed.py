@@ -68,6 +68,20 @@ def test_initialize_under_launch_with_one_process_stays_alone(monkeypatch):
   assert distributed.cluster_in_environment() == ""
 
 
+def test_a_launched_process_that_never_joined_is_refused(monkeypatch):
+  # `launch -n 2` of a script without initialize(): each process would
+  # train alone, as a separate run, beside the other.
+  monkeypatch.setenv("JMP_TRAIN_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JMP_TRAIN_PROCESS_ID", "1")
+  tx = optax.sgd(0.1)
+  with pytest.raises(RuntimeError, match="process 1 of 2, but it never join"):
+    train.TrainState.create(params={"w": jnp.ones(2)}, tx=tx)
+  with pytest.raises(RuntimeError, match="never joined"):
+    train.make_train_step(lambda p, b, s, k: jnp.sum(p["w"]), tx)
+  monkeypatch.setenv("JMP_TRAIN_NUM_PROCESSES", "1")  # launch -n 1
+  train.TrainState.create(params={"w": jnp.ones(2)}, tx=tx)
+
+
 def test_launch_command_line_prefixes_each_process(tmp_path):
   script = tmp_path / "hello.py"
   script.write_text(

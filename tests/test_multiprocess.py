@@ -219,6 +219,39 @@ def test_launch_stops_the_others_when_one_fails(tmp_path):
   assert code == 3 and time.monotonic() - start < 10
 
 
+def test_processes_with_unequal_device_counts_are_refused_by_name(tmp_path):
+  # The hashes' all-gather would fail with a reshape error instead.
+  script = tmp_path / "unequal.py"
+  script.write_text(
+    textwrap.dedent(
+      """
+      import os
+      n = 2 + int(os.environ["JMP_TRAIN_PROCESS_ID"])
+      os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+      from jmp_train import distributed
+      distributed.initialize()
+      import jax, jax.numpy as jnp, optax
+      from jax.sharding import AxisType
+      from jmp_train import train, zero1
+      mesh = jax.make_mesh((5,), ("data",), axis_types=(AxisType.Auto,))
+      params, tx = {"w": jnp.ones(2)}, optax.sgd(0.1)
+      plan = zero1.make_plan(tx, params, mesh)
+      train.TrainState.create(params=params, tx=tx, plan=plan)
+      """
+    )
+  )
+  code = distributed.launch(
+    [str(script)],
+    2,
+    timeout_s=_mp_child.mp_timeout_s(10),
+    log_dir=tmp_path,
+    env={"PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"},
+  )
+  assert code != 0
+  log = (tmp_path / "process-0.log").read_text()
+  assert "different numbers of devices ({0: 2, 1: 3}" in log, log[-2000:]
+
+
 def test_launch_times_out(tmp_path):
   script = tmp_path / "hang.py"
   script.write_text("import time\ntime.sleep(60)\n")

@@ -15,6 +15,7 @@ on one machine, srun, ...).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 from collections.abc import Mapping
@@ -29,6 +30,23 @@ from jmp_train._src import leaves
 NUM_PROCESSES_VAR = "JMP_TRAIN_NUM_PROCESSES"
 PROCESS_ID_VAR = "JMP_TRAIN_PROCESS_ID"
 INIT_TIMEOUT_VAR = "JMP_TRAIN_INIT_TIMEOUT_S"
+
+
+def check_joined() -> None:
+  """Refuses to go on in a process that `launch` started as one of several
+  but that never joined them (`initialize()` was not called): it would
+  train alone, as a separate run, beside the others."""
+  count = os.environ.get(NUM_PROCESSES_VAR, "1")
+  if PROCESS_ID_VAR not in os.environ or count == "1":
+    return
+  if not jax.distributed.is_initialized():
+    raise RuntimeError(
+      f"jmp_train.launch started this process as process "
+      f"{os.environ[PROCESS_ID_VAR]} of {count}, but it never joined the "
+      "others, so it would train alone as a separate run: call "
+      "jmp_train.distributed.initialize() at the start of the script, "
+      "before anything else uses JAX."
+    )
 
 
 def cluster_in_environment(environ: Mapping[str, str] | None = None) -> str:
@@ -189,6 +207,16 @@ def check_same_on_every_process(tree: Any, what: str) -> None:
     return
   from jax.experimental import multihost_utils
 
+  # Every process sees every device and its process: unequal counts would
+  # make the gathers below fail with a reshape error, so say so first.
+  counts = collections.Counter(d.process_index for d in jax.devices())
+  if len(set(counts.values())) > 1:
+    raise ValueError(
+      f"{what}: the processes have different numbers of devices "
+      f"({dict(sorted(counts.items()))}, process: devices): give every "
+      "process the same (launch --cpu-devices N on CPU; one GPU per process "
+      "or the same number on each)."
+    )
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   # First the structure (a fixed-size gather): a different leaf count would
   # make the digests' gather a collective mismatch, not an error.

@@ -95,6 +95,7 @@ class TrainState:
       >>> int(state.step), state.model_state, state.fp8
       (0, {}, {})
     """
+    distributed.check_joined()
     if key is not None and not (
       isinstance(key, jax.Array)
       and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -316,6 +317,7 @@ def make_train_step(
     >>> int(state.step), float(metrics["loss"])
     (1, 4.0)
   """
+  distributed.check_joined()
   accum_steps = leaves.check_int(accum_steps, "accum_steps", 1)
   has_aux = leaves.check_bool(has_aux, "has_aux")
   accum_dtype = accumulation.check_gradient_dtype(accum_dtype, "accum_dtype")
