@@ -164,18 +164,13 @@ def _key_data(key: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=key.sharding)
 
 
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _keys_as_data(tree: Any) -> tuple[Any, dict[str, str]]:
   """`tree` with each typed PRNG key as its `key_data` (orbax stores arrays
   of numbers), and each such leaf's path with its implementation."""
   impls: dict[str, str] = {}
 
   def data(path, x):
-    if not _is_key(x):
+    if not leaves.is_prng_key(x):
       return x
     impls[leaves.keystr(path)] = str(jax.random.key_impl(x))
     return jax.random.key_data(x)
@@ -489,7 +484,7 @@ class Checkpointer:
     model_keys = meta.get("model_keys", {})
 
     def key_data(path, x):
-      if not _is_key(x):
+      if not leaves.is_prng_key(x):
         return x
       where = f"model_state leaf {leaves.keystr(path)}"
       if "model_keys" not in meta:
@@ -518,7 +513,7 @@ class Checkpointer:
     model_state = jax.tree_util.tree_map_with_path(
       lambda path, x, w: (
         jax.random.wrap_key_data(x, impl=model_keys[leaves.keystr(path)])
-        if _is_key(w)
+        if leaves.is_prng_key(w)
         else x
       ),
       rest["model_state"],

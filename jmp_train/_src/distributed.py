@@ -181,9 +181,7 @@ def is_process_local(x: Any) -> bool:
 
 def _digest(x: Any) -> np.ndarray:
   """Two uint32 words of a hash of a leaf's dtype, shape and bytes."""
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(
-    x.dtype, jax.dtypes.prng_key
-  ):
+  if isinstance(x, jax.Array) and leaves.is_prng_key(x):
     x = jax.random.key_data(x)
   a = np.asarray(x)
   h = hashlib.blake2b(digest_size=8)

@@ -43,6 +43,13 @@ def is_real_float(x: Any) -> bool:
   return is_float(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def is_prng_key(x: Any) -> bool:
+  """A typed PRNG key array (`jax.random.key`), abstract or concrete."""
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(
+    x.dtype, jax.dtypes.prng_key
+  )
+
+
 def is_float8(x: Any) -> bool:
   """A float8 leaf (a storage format, never trained directly)."""
   return (

@@ -197,10 +197,10 @@ def _inside(path: tuple, paths: list) -> bool:
   return any(path[: len(p)] == p for p in paths)
 
 
-def _respected(model: nnx.Module, modules: list, respect: bool | tuple):
+def _respected(every: dict[int, tuple], modules: list, respect: bool | tuple):
   """`modules` (from `_owners`) with whether each keeps its dtype attributes:
-  all with True; with selectors, those matching and everything inside them."""
-  every = _every_path(model)
+  all with True; with selectors, those matching (at any of their paths in
+  `every`, from `_every_path`) and everything inside them."""
   matched = [] if respect is True else _selected_paths(every, respect or ())
   for module, config, in_inner_wrap, path in modules:
     paths = every.get(id(module), (module, [path]))[1]
@@ -548,7 +548,7 @@ def wrap(
   _convert(model, _Config(policy, False, True, arguments), methods)
   modules, params = _owners(model)
   for module, config, in_inner_wrap, respected in _respected(
-    model, modules, respect
+    every, modules, respect
   ):
     if not in_inner_wrap:  # an inner wrap set its modules' dtype attributes
       _set_dtype_attributes(module, None if respected else config.policy)

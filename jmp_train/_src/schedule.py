@@ -299,12 +299,12 @@ def adjust_nnx_precision(
   `mixed_precision`) with the converted state; `optimizer.step` and its
   transformation are kept (a switch between `RoundToNearest` and
   `StochasticRounding` also needs `optimizer.tx =
-  preset.mixed_precision(inner)`: that rule is the transformation's). FP8 follows the preset: a preset without a
-  recipe turns it off, the recipe the model has keeps its FP8 history (the
-  output gradients' moved to the new loss scale,
-  `jmp_train.fp8.rescale_output_grads`), another starts afresh (a recipe
-  of your own rides in `dataclasses.replace(preset, fp8=recipe)`). Call it
-  between steps: a jitted step retraces once.
+  preset.mixed_precision(inner)`: that rule is the transformation's). FP8
+  follows the preset: a preset without a recipe turns it off, the recipe
+  the model has keeps its FP8 history (the output gradients' moved to the
+  new loss scale, `jmp_train.fp8.rescale_output_grads`), another starts
+  afresh (a recipe of your own rides in `dataclasses.replace(preset,
+  fp8=recipe)`). Call it between steps: a jitted step retraces once.
   """
   from flax import nnx as flax_nnx
   from flax.nnx import filterlib

@@ -97,8 +97,7 @@ class TrainState:
     """
     distributed.check_joined()
     if key is not None and not (
-      isinstance(key, jax.Array)
-      and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+      isinstance(key, jax.Array) and leaves.is_prng_key(key)
     ):
       raise TypeError(
         "key must be a typed PRNG key (jax.random.key(seed)) or None, got "
@@ -681,8 +680,7 @@ def _check_no_keys(model_state: Any, plan: zero1.Plan) -> None:
   if plan.num_shards == 1:
     return
   for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if leaves.is_prng_key(x):
       raise ValueError(
         f"model_state leaf {leaves.keystr(path)} is a PRNG key: with a plan "
         f"over {plan.num_shards} devices each device holds the same copy and "
