@@ -101,8 +101,6 @@ def _check_params_fit(params: Any, plan: zero1.Plan, what: str) -> None:
       f"{what} does not have the plan's params structure {want}: got "
       f"{jax.tree.structure(params)}. Pass the plan built for these params."
     )
-  if plan.params is None:
-    return
   for (path, p), planned in zip(
     jax.tree_util.tree_flatten_with_path(params)[0],
     jax.tree.leaves(plan.params),

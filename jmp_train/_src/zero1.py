@@ -128,23 +128,26 @@ class Plan:
     data_axis: the data-parallel mesh axis.
     zero_stage: 1 (optimizer state partitioned over the data axis) or 0.
     layouts: a `LeafLayout` per param (the params' tree structure).
-    param_shardings: a NamedSharding per param.
+    params: `jax.ShapeDtypeStruct`s of the params the plan was made for,
+      with their shardings (`param_shardings` reads those).
     opt_state: `jax.ShapeDtypeStruct`s of the optimizer state as the step
       stores it (ZeRO-padded, with its shardings).
     logical_opt_state: the same without padding (what `tx.init(params)`
       builds and a checkpoint holds); padded leaves are not data-split.
-    params: `jax.ShapeDtypeStruct`s of the params the plan was made for,
-      with their shardings.
   """
 
   mesh: Mesh
   data_axis: str
   zero_stage: int
   layouts: Any
-  param_shardings: Any
+  params: Any
   opt_state: Any
   logical_opt_state: Any
-  params: Any = None
+
+  @property
+  def param_shardings(self) -> Any:
+    """A NamedSharding per param."""
+    return jax.tree.map(lambda p: p.sharding, self.params)
 
   @property
   def num_shards(self) -> int:
@@ -293,14 +296,13 @@ def make_plan(
     data_axis=data_axis,
     zero_stage=zero_stage,
     layouts=layouts,
-    param_shardings=param_shardings,
-    opt_state=opt_state,
-    logical_opt_state=jax.tree.map(unpadded, logical, opt_state),
     params=jax.tree.map(
       lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
       params,
       param_shardings,
     ),
+    opt_state=opt_state,
+    logical_opt_state=jax.tree.map(unpadded, logical, opt_state),
   )
 
 
