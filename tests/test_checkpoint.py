@@ -21,7 +21,7 @@ import pytest
 import jmp_train as jmp
 from jmp_train import checkpoint, train, zero1
 from jmp_train import nnx as mp_nnx
-from jmp_train._src import checkpoint_format
+from jmp_train._src import checkpoint_format, leaves
 
 TESTS = os.path.dirname(__file__)
 EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")  # gpt_model
@@ -583,19 +583,25 @@ def test_restore_with_tx_keeps_the_params_device(tmp_path):
 
 
 def test_an_nnx_optimizer_resumes_bit_for_bit_by_the_readme_recipe(tmp_path):
-  class Mlp(nnx.Module):
+  """BatchNorm statistics, dropout keys, FP8 metadata and `optimizer.step`
+  come back too: the resumed run equals the uninterrupted one."""
+
+  class Net(nnx.Module):
     def __init__(self, rngs):
       self.l1 = nnx.Linear(5, 8, rngs=rngs)
+      self.bn = nnx.BatchNorm(8, rngs=rngs)
+      self.drop = nnx.Dropout(0.3, rngs=rngs)
       self.l2 = nnx.Linear(8, 3, rngs=rngs)
 
     def __call__(self, x):
-      return self.l2(jax.nn.relu(self.l1(x)))
+      return self.l2(self.drop(jax.nn.relu(self.bn(self.l1(x)))))
 
   preset = jmp.get_preset("bf16-lean")
   tx = preset.mixed_precision(optax.adamw(1e-2))
 
   def build():
-    model = mp_nnx.wrap(Mlp(nnx.Rngs(0)), preset.policy)
+    net = Net(nnx.Rngs(0, dropout=1))
+    model = mp_nnx.wrap(net, preset.policy, fp8="current")
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -612,31 +618,62 @@ def test_an_nnx_optimizer_resumes_bit_for_bit_by_the_readme_recipe(tmp_path):
   is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
   values = lambda t: jax.tree.map(lambda v: v.get_value(), t, is_leaf=is_var)  # noqa: E731
 
+  def as_train_state(model, optimizer):  # the README's
+    return train.TrainState(
+      step=optimizer.step.get_value(),
+      params=values(nnx.state(model, nnx.Param)),
+      opt_state=values(optimizer.opt_state),
+      model_state=values(nnx.state(model, nnx.Not(nnx.Param))),
+      fp8={},
+      key=None,
+    )
+
   def snapshot(model, optimizer):
-    return values((nnx.state(model, nnx.Param), optimizer.opt_state))
+    tree = values(nnx.state((model, optimizer)))
+    return jax.tree.map(
+      lambda x: jax.random.key_data(x) if leaves.is_prng_key(x) else x, tree
+    )
 
   model, optimizer = build()
   for x, y in data[:2]:
     train_step(model, optimizer, x, y)
   with checkpoint.Checkpointer(tmp_path) as ckpt:
-    ckpt.save(
-      2, values(nnx.state(model, nnx.Param)), values(optimizer.opt_state)
-    )
+    ckpt.save_state(as_train_state(model, optimizer))
   for x, y in data[2:]:
     train_step(model, optimizer, x, y)
   model2, optimizer2 = build()  # a fresh start, then the README's restore
   with checkpoint.Checkpointer(tmp_path) as ckpt:
-    step, params, opt_state = ckpt.restore(
-      values(nnx.state(model2, nnx.Param)), tx=tx
-    )
-  nnx.update(model2, params)
+    state = ckpt.restore_state(as_train_state(model2, optimizer2))
+  nnx.update(model2, state.params, state.model_state)
   jax.tree.map(
-    lambda v, x: v.set_value(x), optimizer2.opt_state, opt_state, is_leaf=is_var
+    lambda v, x: v.set_value(x),
+    optimizer2.opt_state,
+    state.opt_state,
+    is_leaf=is_var,
   )
+  optimizer2.step.set_value(state.step)
   for x, y in data[2:]:
     train_step(model2, optimizer2, x, y)
-  assert step == 2
+  assert int(state.step) == 2 and int(optimizer2.step.get_value()) == 4
   _assert_trees_equal(snapshot(model2, optimizer2), snapshot(model, optimizer))
+  # The params and optimizer state alone restart the batch statistics and
+  # the dropout keys: that run differs.
+  model3, optimizer3 = build()
+  nnx.update(model3, state.params)
+  jax.tree.map(
+    lambda v, x: v.set_value(x),
+    optimizer3.opt_state,
+    state.opt_state,
+    is_leaf=is_var,
+  )
+  for x, y in data[2:]:
+    train_step(model3, optimizer3, x, y)
+  differs = jax.tree.map(
+    lambda a, b: not np.array_equal(a, b),
+    values(nnx.state(model3, nnx.Param)),
+    values(nnx.state(model, nnx.Param)),
+  )
+  assert any(jax.tree.leaves(differs))
 
 
 def test_bad_steps_and_settings_raise_naming_the_value(tmp_path):

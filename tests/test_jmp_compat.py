@@ -54,3 +54,48 @@ def test_jmps_own_tests_pass_with_import_jmp_train_as_jmp(name):
   ran, failed = run_jmp_test_file(name, against_jmp_train=True)
   assert not failed, "\n\n".join(f"{k}\n{v}" for k, v in failed.items())
   assert ran == ran_jmp
+
+
+def test_jmps_own_objects_are_taken_as_they_are():
+  """Code half-way through the switch hands jmp's objects to jmp_train: the
+  loss scale follows jmp's own `adjust`, the policy jmp's dtypes."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import jmp_train
+
+  theirs = jmp.DynamicLossScale(
+    jnp.float32(2.0**10), period=2, factor=4, min_loss_scale=jnp.float32(2.0)
+  )
+  tx = jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=theirs)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  finite = [1, 1, 0, 1, 0, 0, 0, 0, 0, 1, 1, 1]
+  got, want, ref = [], [], theirs
+  for ok in finite:
+    grads = {"w": jnp.full(2, 1.0 if ok else jnp.inf)}
+    _, state = tx.update(grads, state, params)
+    got.append(float(jmp_train.current_loss_scale(state)))
+    ref = ref.adjust(jnp.asarray(bool(ok)))
+    want.append(float(ref.loss_scale))
+  assert got == want and min(want) == 2.0 and max(want) > 2.0**10
+  for theirs, scale in (
+    (jmp.StaticLossScale(128.0), 128.0),
+    (jmp.NoOpLossScale(), 1.0),
+  ):
+    state = jmp_train.mixed_precision(optax.sgd(0.1), loss_scale=theirs).init(
+      params
+    )
+    assert float(jmp_train.current_loss_scale(state)) == scale
+
+  policy = jmp.get_policy("p=f32,c=bf16,o=f16")
+  ours = jmp_train.get_policy(policy)
+  assert (ours.param_dtype, ours.compute_dtype, ours.output_dtype) == (
+    policy.param_dtype,
+    policy.compute_dtype,
+    policy.output_dtype,
+  )
+  x = {"x": np.ones(2, np.float32)}
+  assert jax.tree.leaves(ours.cast_to_compute(x))[0].dtype == jnp.bfloat16

@@ -45,6 +45,32 @@ def test_counts_match_numpy_under_jit():
   assert int(zeros) == (a == 0).sum() + (b == 0).sum() == 5
 
 
+def test_report_names_nnx_gradients_by_module_path():
+  """An `nnx.State` of gradients is named as the README names params: the
+  module path, without the `value` each variable flattens through (which
+  reads like a layer called "value", as attention's projection is)."""
+  from flax import nnx
+
+  class Attention(nnx.Module):
+    def __init__(self, rngs):
+      self.value = nnx.Linear(2, 3, rngs=rngs)
+      self.out = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(self.value(x))
+
+  model = Attention(nnx.Rngs(0))
+  x = jnp.asarray([[1.0, jnp.inf]])
+  grads = nnx.grad(lambda m: m(x).sum())(model)
+  counts = monitor.nonfinite_counts(grads)
+  # the inf input makes value's kernel row 1 and everything after it inf
+  kernel = np.asarray(grads["value"]["kernel"].get_value())
+  assert monitor.nonfinite_report(counts) == {
+    "out/kernel": 6,
+    "value/kernel": int((~np.isfinite(kernel)).sum()),
+  }
+
+
 def _run_skips(loss_scale, pattern, falling_streak=3):
   """Feeds gradients that are finite ('o') or not ('x') through the step."""
   params = {"w": jnp.ones((3,))}

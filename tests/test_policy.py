@@ -1,6 +1,7 @@
 """Policies: jmp compatibility, parsing, casts against NumPy references."""
 
 import dataclasses
+import re
 import itertools
 
 import jax
@@ -148,6 +149,15 @@ def test_bad_policy_dtypes():
     jmp.Policy(object(), jnp.float32, jnp.float32)
   with pytest.raises(TypeError, match="string or a Policy"):
     jmp.get_policy(3)
+  # A preset where a policy goes: the message says which policy it holds.
+  preset = jmp.get_preset("bf16-mixed")
+  want = repr(preset.policy)
+  with pytest.raises(TypeError, match=re.escape(f".policy: {want}")):
+    jmp.get_policy(preset)
+  with pytest.raises(ValueError, match=r"'bf16-mixed' is a preset, not a"):
+    jmp.get_policy("bf16-mixed")
+  with pytest.raises(ValueError, match=r"Unknown dtype 'bf17'"):
+    jmp.get_policy("bf17")
 
 
 @pytest.mark.parametrize(

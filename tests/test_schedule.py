@@ -409,6 +409,14 @@ def test_nnx_fp8_follows_the_preset():
     schedule.adjust_nnx_precision(model, broad, "bf16-fp8-mixed")
   assert dots(model) == {("bfloat16", "bfloat16")}
   assert not hasattr(model.l1, "fp8_meta")
+  # Arguments swapped, or an optimizer without mixed_precision: named.
+  with pytest.raises(TypeError, match="model must be the nnx.Module"):
+    schedule.adjust_nnx_precision(broad, model, "fp32")
+  with pytest.raises(TypeError, match="optimizer must be an nnx.Optimizer"):
+    schedule.adjust_nnx_precision(model, model, "fp32")
+  plain = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  with pytest.raises(ValueError, match=r"found 0: build the optimizer as"):
+    schedule.adjust_nnx_precision(model, plain, "fp32")
 
 
 def test_a_switch_of_rounding_rule_steps_with_the_new_preset_transformation():

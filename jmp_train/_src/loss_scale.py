@@ -628,6 +628,31 @@ _register(DynamicLossScale, _dynamic_leaves)
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
+def from_jmp(loss_scale: Any) -> Any:
+  """A loss scale of the `jmp` package itself as ours, anything else as is.
+
+  Code half-way through `import jmp_train as jmp` passes jmp's objects
+  along; they have the same fields and, with jmp's defaults, the same rule
+  (backoff by 1 / factor, no hysteresis, no ceiling).
+  """
+  cls = type(loss_scale)
+  if not cls.__module__.startswith("jmp."):
+    return loss_scale
+  if cls.__name__ == "NoOpLossScale":
+    return NoOpLossScale()
+  if cls.__name__ == "StaticLossScale":
+    return StaticLossScale(loss_scale.loss_scale)
+  if cls.__name__ == "DynamicLossScale":
+    return DynamicLossScale(
+      loss_scale.loss_scale,
+      counter=loss_scale.counter,
+      period=loss_scale.period,
+      factor=loss_scale.factor,
+      min_loss_scale=loss_scale.min_loss_scale,
+    )
+  return loss_scale
+
+
 def dynamic_loss_scale(
   init_scale: float = 2.0**15,
   growth_factor: float = 2.0,

@@ -65,9 +65,11 @@ def nonfinite_report(counts: Any) -> dict[str, int]:
   """On the host: `{"a/b/c": count}` for the leaves of `nonfinite_counts` > 0.
 
   Syncs with the device (it reads the counts). Paths join the tree's keys
-  with "/"; an empty dict means every gradient was finite.
+  with "/" (an `nnx.State`'s variables are named by their module paths,
+  without the `value` of the variable); an empty dict means every gradient
+  was finite.
   """
-  counts = jax.device_get(counts)
+  counts = jax.device_get(leaves.without_variables(counts))
   report = {}
   for path, count in jax.tree_util.tree_flatten_with_path(counts)[0]:
     if count is not None and int(count) > 0:

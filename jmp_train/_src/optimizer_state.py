@@ -86,7 +86,13 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
   if len(found) != 1:
     raise ValueError(
       "Expected exactly one mixed_precision state in the optimizer state, "
-      f"found {len(found)}."
+      f"found {len(found)}"
+      + (
+        ": build the optimizer as jmp_train.mixed_precision(inner) or a "
+        "preset's .mixed_precision(inner), outermost."
+        if not found
+        else "."
+      )
     )
   path, state = found[0]
   _check_outermost(opt_state, path)

@@ -334,7 +334,7 @@ def get_policy(policy: str | Policy) -> Policy:
   float64, double.
 
   Args:
-    policy: a policy string, or a `Policy`.
+    policy: a policy string, or a `Policy` (jmp's own `jmp.Policy` too).
 
   Returns:
     The parsed `Policy`.
@@ -352,8 +352,19 @@ def get_policy(policy: str | Policy) -> Policy:
   """
   if isinstance(policy, Policy):
     return policy
+  if type(policy).__module__.startswith("jmp.") and hasattr(
+    policy, "compute_dtype"
+  ):  # jmp's own Policy, from code half-way through the one-import switch
+    return Policy(
+      policy.param_dtype, policy.compute_dtype, policy.output_dtype
+    )
   if not isinstance(policy, str):
-    raise TypeError(f"A policy is a string or a Policy, got {policy!r}.")
+    hint = ""
+    if isinstance(getattr(policy, "policy", None), Policy):  # a Preset
+      hint = f" (pass its policy, .policy: {policy.policy!r})"
+    raise TypeError(
+      f"A policy is a string or a Policy, got {policy!r}{hint}."
+    )
   text = policy.strip()
   if not text:
     raise ValueError(
@@ -361,7 +372,18 @@ def get_policy(policy: str | Policy) -> Policy:
       f"or key=dtype parts such as {_EXAMPLE}."
     )
   if "=" not in text:
-    dtype = _parse_dtype(text, policy)
+    try:
+      dtype = _parse_dtype(text, policy)
+    except ValueError:
+      from jmp_train._src import presets  # noqa: PLC0415 (imports us)
+
+      if text in presets.PRESETS:
+        raise ValueError(
+          f"{policy!r} is a preset, not a policy: pass its policy, "
+          f"jmp_train.get_preset({text!r}).policy "
+          f"({presets.PRESETS[text].policy!r})."
+        ) from None
+      raise
     return Policy(dtype, dtype, dtype)
 
   found: dict[str, Any] = {}

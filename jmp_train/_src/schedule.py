@@ -314,6 +314,18 @@ def adjust_nnx_precision(
   from jmp_train._src import fp8_nnx
   from jmp_train._src import nnx as mp_nnx
 
+  if not isinstance(model, flax_nnx.Module) or isinstance(
+    model, flax_nnx.Optimizer
+  ):
+    raise TypeError(
+      "adjust_nnx_precision(model, optimizer, preset): model must be the "
+      f"nnx.Module the optimizer trains, got {type(model).__name__}."
+    )
+  if not isinstance(optimizer, flax_nnx.Optimizer):
+    raise TypeError(
+      "adjust_nnx_precision(model, optimizer, preset): optimizer must be an "
+      f"nnx.Optimizer over mixed_precision, got {type(optimizer).__name__}."
+    )
   preset = _as_preset(preset)
   wrt = optimizer.wrt
   params = flax_nnx.as_pure(flax_nnx.state(model, wrt))

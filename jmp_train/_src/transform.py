@@ -53,10 +53,12 @@ _LOSS_SCALE_KINDS = (
 def as_loss_scale(loss_scale: Any) -> ls_lib.LossScale:
   """The loss scale `mixed_precision` starts from, validated.
 
-  None is `NoOpLossScale()`; a concrete real number is a `StaticLossScale`.
+  None is `NoOpLossScale()`; a concrete real number is a `StaticLossScale`;
+  a loss scale of the `jmp` package becomes ours.
   """
   if loss_scale is None:
     return ls_lib.NoOpLossScale()
+  loss_scale = ls_lib.from_jmp(loss_scale)
   if isinstance(loss_scale, ls_lib.StaticLossScale):
     if not float(loss_scale.loss_scale) > 0:
       raise ValueError(
