@@ -1,8 +1,8 @@
 """Policies: jmp compatibility, parsing, casts against NumPy references."""
 
 import dataclasses
-import re
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp

@@ -355,16 +355,12 @@ def get_policy(policy: str | Policy) -> Policy:
   if type(policy).__module__.startswith("jmp.") and hasattr(
     policy, "compute_dtype"
   ):  # jmp's own Policy, from code half-way through the one-import switch
-    return Policy(
-      policy.param_dtype, policy.compute_dtype, policy.output_dtype
-    )
+    return Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
   if not isinstance(policy, str):
     hint = ""
     if isinstance(getattr(policy, "policy", None), Policy):  # a Preset
       hint = f" (pass its policy, .policy: {policy.policy!r})"
-    raise TypeError(
-      f"A policy is a string or a Policy, got {policy!r}{hint}."
-    )
+    raise TypeError(f"A policy is a string or a Policy, got {policy!r}{hint}.")
   text = policy.strip()
   if not text:
     raise ValueError(
