@@ -611,3 +611,44 @@ def test_scanned_layers_keep_one_fp8_state_per_layer():
   assert history[0, 0] == 2.0  # layer 0 sees |x| = 2
   assert len(set(history[:, 1].tolist())) == 3  # each layer its own kernel
   np.testing.assert_allclose(state.scale, 448.0 / history * [1, 1, 128])
+
+
+
+def test_a_lifted_transform_without_the_fp8_collection_says_how():
+  """Flax's examples scan with variable_axes={"params": 0} and nn.RNN
+  broadcasts only params: Flax's own error names neither fix."""
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.Dense(8)(x), None
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(
+        nn.remat(Layer),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=3,
+      )
+      return scan(name="layers")(x, None)[0]
+
+  class Rnn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.RNN(nn.LSTMCell(8))(x)
+
+  x = jnp.ones((2, 8))
+  for model, x, fix in (
+    (Deep(), x, r"variable_axes=\{'params': 0, 'fp8_meta': 0\}"),
+    (Rnn(), x[:, None], r"variable_broadcast=\['params', 'fp8_meta'\]"),
+  ):
+    wrapped = jmp_train.linen.wrap(model, "float32", fp8="current")
+    with pytest.raises(ValueError, match=f"lifted transform.*{fix}"):
+      wrapped.init(jax.random.key(0), x)
+  # Outside a lifted transform: apply was not given the FP8 state.
+  dense = jmp_train.linen.wrap(nn.Dense(3), "float32", fp8="current")
+  v = dense.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="finds no 'fp8_meta' collection"):
+    dense.apply({"params": v["params"]}, x)

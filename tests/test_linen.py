@@ -380,6 +380,8 @@ def test_bad_input():
     mp_linen.wrap(lambda x: x, "bf16")
   with pytest.raises(TypeError, match="Module classes"):
     mp_linen.wrap(Model(), "bf16", overrides={"LayerNorm": "float32"})
+  with pytest.raises(TypeError, match=r"overrides must be a mapping.*\[<"):
+    mp_linen.wrap(Model(), "bf16", overrides=[nn.LayerNorm])
   with pytest.raises(ValueError, match="Unknown dtype 'bf15'"):
     mp_linen.wrap(Model(), "p=bf15")
 

@@ -765,6 +765,36 @@ def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
   )
   with pytest.raises(ValueError, match=r"every collection.*\['batch_stats'\]"):
     bad_aux(with_state, batch)
+  # Model state the train state lacks would be dropped after every step.
+  stats = {"batch_stats": {"m": jnp.zeros(2)}}
+  extra = train.make_train_step(
+    lambda p, b, s, k: (jnp.sum(b["x"] @ p["w"]), (stats, {})),
+    tx,
+    has_aux=True,
+  )
+  bare = train.TrainState.create(params=params, tx=tx)
+  with pytest.raises(ValueError, match=r"\['batch_stats'\] that the train"):
+    extra(bare, batch)
+  # The aux contract, and a loss that is not reduced, named.
+  no_flag = train.make_train_step(
+    lambda p, b, s, k: (jnp.sum(b["x"] @ p["w"]), (stats, {})), tx
+  )
+  with pytest.raises(TypeError, match="tuple of 2: .* needs has_aux=True"):
+    no_flag(with_state, batch)
+  no_metrics = train.make_train_step(
+    lambda p, b, s, k: (jnp.sum(b["x"] @ p["w"]), stats), tx, has_aux=True
+  )
+  with pytest.raises(ValueError, match=r"metrics\)\), .*got \(float32\[\], a"):
+    no_metrics(with_state, batch)
+  rows = train.make_train_step(lambda p, b, s, k: b["x"] @ p["w"], tx)
+  with pytest.raises(TypeError, match=r"float32\[16\]: reduce it"):
+    rows(bare, batch)
+  # A collective over the data axis (BatchNorm(axis_name=...)) needs a plan.
+  synced = train.make_train_step(
+    lambda p, b, s, k: jax.lax.pmean(jnp.mean(b["x"] @ p["w"]), "batch"), tx
+  )
+  with pytest.raises(ValueError, match="axis name: batch.*plan=None names"):
+    synced(bare, batch)
 
 
 def test_prng_keys_in_model_state_are_refused_over_several_devices():

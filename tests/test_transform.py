@@ -968,6 +968,8 @@ def test_inputs_that_failed_late_or_obscurely_get_clear_errors():
     TypeError, match=r"inner must be an optax\.Gradient.*None"
   ):
     jmp_train.mixed_precision(None)
+  with pytest.raises(TypeError, match=r"preset.mixed_precision\(inner\)"):
+    jmp_train.mixed_precision(jmp_train.get_preset("bf16-mixed"))
   tx = jmp_train.mixed_precision(optax.sgd(0.1))
   grads = {"layer": {"w": jnp.ones(3)}}
   with pytest.raises(TypeError, match="state of type tuple.*MixedPrecision"):

@@ -80,8 +80,19 @@ def check_loss_scale(loss_scale: Any) -> jax.Array:
 
 def float_loss(loss: Any) -> jax.Array:
   """The loss as a float32 scalar; integer or complex losses are refused."""
+  if isinstance(loss, (tuple, list)):
+    raise TypeError(
+      f"loss_fn must return a scalar loss, got a {type(loss).__name__} of "
+      f"{len(loss)}: a loss_fn that returns aux needs has_aux=True."
+    )
   loss = jnp.asarray(loss)
-  if not jnp.issubdtype(loss.dtype, jnp.floating) or loss.ndim != 0:
+  if loss.ndim != 0:
+    raise TypeError(
+      "loss_fn must return a real floating-point scalar, got "
+      f"{loss.dtype}{list(loss.shape)}: reduce it (e.g. its mean over the "
+      "batch) before returning it."
+    )
+  if not jnp.issubdtype(loss.dtype, jnp.floating):
     raise TypeError(
       "loss_fn must return a real floating-point scalar, got "
       f"{loss.dtype}{list(loss.shape)}: the gradient of an integer loss is "

@@ -32,11 +32,13 @@ the collection with that gradient on every step. So:
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax import errors as flax_errors
 
 from jmp_train._src import fp8_dot
 from jmp_train._src.fp8 import COLLECTION, amax_entry, init_state
@@ -54,6 +56,27 @@ def _call_index(module: nn.Module) -> int:
   n = counts.get(module.path, 0)
   counts[module.path] = n + 1
   return n
+
+
+def _missing_state(module: nn.Module) -> str:
+  """Why `module` finds no FP8 state, and the fix (Flax names neither)."""
+  where = f"FP8 matmul {'/'.join(module.path)}"
+  if not re.search(r"\b(scan|vmap)\(", module.scope.path_text):
+    return (
+      f"{where} finds no {COLLECTION!r} collection in the variables: pass "
+      "apply all the variables init returned (params and "
+      f"{COLLECTION!r}), or the train state's FP8 metadata."
+    )
+  # A lifted transform passes only the collections it names.
+  return (
+    f"{where} runs inside a lifted transform (nn.scan, nn.RNN, nn.vmap) "
+    f"that does not carry the {COLLECTION!r} collection. Over layers, add "
+    f"it to the axes: nn.scan(..., variable_axes={{'params': 0, "
+    f"{COLLECTION!r}: 0}}) keeps one FP8 state per layer. Over time (an RNN "
+    "cell), broadcast it: nn.RNN(cell, variable_broadcast=['params', "
+    f"{COLLECTION!r}]), whose amaxes are summed over the steps (README, FP8 "
+    "limits); or leave the layer out with wrap(..., fp8_exclude=(...))."
+  )
 
 
 class Fp8DotGeneral(nn.Module):
@@ -87,7 +110,10 @@ class Fp8DotGeneral(nn.Module):
     **kwargs,
   ):
     del precision, kwargs  # FP8 has one precision; out_sharding is unused
-    var = self.variable(COLLECTION, "fp8", init_state, self.recipe)
+    try:
+      var = self.variable(COLLECTION, "fp8", init_state, self.recipe)
+    except flax_errors.ScopeCollectionNotFound:
+      raise ValueError(_missing_state(self)) from None
     n = _call_index(self)
     state = var.value
     if state.recipe != self.recipe:

@@ -201,6 +201,12 @@ def override_table(
     cls: Override(cls, Policy(float32, float32, policy.compute_dtype), True)
     for cls in defaults
   }
+  if overrides is not None and not isinstance(overrides, Mapping):
+    raise TypeError(
+      "overrides must be a mapping from module classes to policies, e.g. "
+      f"{{nn.BatchNorm: 'float32'}} (None removes a default), got "
+      f"{overrides!r}."
+    )
   for cls, value in (overrides or {}).items():
     if not (isinstance(cls, type) and issubclass(cls, base)):
       raise TypeError(

@@ -189,6 +189,8 @@ def _micro_grads(loss_fn, has_aux, accum_steps, accum_dtype):
           inputs = model_state
         micro_key = None if key is None else jax.random.fold_in(key, index)
         out = loss_fn(params, micro_batch, inputs, micro_key)
+        if has_aux:
+          _check_aux(out)
         loss, (new_state, metrics) = out if has_aux else (out, (inputs, {}))
         loss = accumulation.float_loss(loss)
         new_state = _checked_model_state(new_state, model_state)
@@ -212,6 +214,29 @@ def _micro_grads(loss_fn, has_aux, accum_steps, accum_dtype):
   return run
 
 
+def _check_aux(out: Any) -> None:
+  """`out` is `(loss, (new_model_state, metrics))`, or a ValueError."""
+
+  def pair(x):
+    return isinstance(x, (tuple, list)) and len(x) == 2
+
+  def shape(x, depth=0):
+    if isinstance(x, (tuple, list)) and depth < 2:
+      return "(" + ", ".join(shape(e, depth + 1) for e in x) + ")"
+    if isinstance(x, dict):
+      return f"a dict of {sorted(map(str, x))}"
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+      return f"{x.dtype}{list(x.shape)}"
+    return type(x).__name__
+
+  if not (pair(out) and pair(out[1])):
+    got = shape(out)
+    raise ValueError(
+      "With has_aux=True, loss_fn must return (loss, (new_model_state, "
+      f"metrics)), metrics a dict ({{}} for none); got {got}."
+    )
+
+
 def _checked_model_state(new: Any, old: Any) -> Any:
   """The collections of `old` taken from `new` (what loss_fn returned)."""
   if not isinstance(new, dict) or any(k not in new for k in old):
@@ -220,6 +245,15 @@ def _checked_model_state(new: Any, old: Any) -> Any:
       "loss_fn's aux must be (new_model_state, metrics), new_model_state a "
       f"dict holding every collection of the model state {sorted(old)}; got "
       f"{got}."
+    )
+  extra = sorted(k for k in new if k not in old and k != fp8_lib.COLLECTION)
+  if extra:
+    raise ValueError(
+      f"loss_fn returned model state {extra} that the train state does not "
+      f"hold (it holds {sorted(old)}): their updates would be dropped after "
+      "every step. Pass them to "
+      "TrainState.create(model_state=...), or leave them out of "
+      "new_model_state."
     )
   for k in old:
     if jax.tree.structure(new[k]) != jax.tree.structure(old[k]):
@@ -362,14 +396,25 @@ def make_train_step(
     if key is not None:
       key = jax.random.fold_in(key, state.step)
     if plan is None:
-      loss, grads, fp8_grads, model_state, metrics = run(
-        fp8_param.with_grad_slots(state.params),
-        state.fp8,
-        state.model_state,
-        batch,
-        None if key is None else jax.random.fold_in(key, 0),
-        scale,
-      )
+      try:
+        loss, grads, fp8_grads, model_state, metrics = run(
+          fp8_param.with_grad_slots(state.params),
+          state.fp8,
+          state.model_state,
+          batch,
+          None if key is None else jax.random.fold_in(key, 0),
+          scale,
+        )
+      except NameError as error:
+        if "unbound axis name" not in str(error):
+          raise
+        raise ValueError(
+          f"loss_fn runs a collective over a named axis ({error}), and "
+          "plan=None names none. BatchNorm(axis_name=...) and psum/pmean "
+          "need a plan whose data_axis is that name: "
+          "zero1.make_plan(tx, params, mesh) (one device makes a one-device "
+          "mesh)."
+        ) from error
       grads = jax.tree.map(_mean(accum_steps, 1), grads)
       work = state.params
     else:

@@ -248,9 +248,12 @@ def mixed_precision(
     callable(getattr(inner, "init", None))
     and callable(getattr(inner, "update", None))
   ):
+    hint = ""
+    if callable(getattr(inner, "mixed_precision", None)):  # a Preset
+      hint = " (a preset builds its own: preset.mixed_precision(inner))"
     raise TypeError(
       "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
-      f"got {inner!r}."
+      f"got {inner!r}{hint}."
     )
   scaler0 = as_loss_scale(loss_scale)
   rule = param_update_lib.check(param_update)
