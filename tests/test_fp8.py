@@ -613,7 +613,6 @@ def test_scanned_layers_keep_one_fp8_state_per_layer():
   np.testing.assert_allclose(state.scale, 448.0 / history * [1, 1, 128])
 
 
-
 def test_a_lifted_transform_without_the_fp8_collection_says_how():
   """Flax's examples scan with variable_axes={"params": 0} and nn.RNN
   broadcasts only params: Flax's own error names neither fix."""
@@ -640,13 +639,13 @@ def test_a_lifted_transform_without_the_fp8_collection_says_how():
       return nn.RNN(nn.LSTMCell(8))(x)
 
   x = jnp.ones((2, 8))
-  for model, x, fix in (
+  for model, inputs, fix in (
     (Deep(), x, r"variable_axes=\{'params': 0, 'fp8_meta': 0\}"),
     (Rnn(), x[:, None], r"variable_broadcast=\['params', 'fp8_meta'\]"),
   ):
     wrapped = jmp_train.linen.wrap(model, "float32", fp8="current")
     with pytest.raises(ValueError, match=f"lifted transform.*{fix}"):
-      wrapped.init(jax.random.key(0), x)
+      wrapped.init(jax.random.key(0), inputs)
   # Outside a lifted transform: apply was not given the FP8 state.
   dense = jmp_train.linen.wrap(nn.Dense(3), "float32", fp8="current")
   v = dense.init(jax.random.key(0), x)
