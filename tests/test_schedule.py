@@ -141,6 +141,9 @@ def test_zero1_state_is_refused_padded_and_adjusts_logical():
   values = {  # 5 x 3 and 3 values: ZeRO-1 pads both to 8 rows on 8 devices
     "kernel": rng.standard_normal((5, 3)).astype(np.float32),
     "bias": rng.standard_normal(3).astype(np.float32),
+    # 16 rows split without padding: its master is sharded over the data
+    # axis, which a param rebuilt from it must not inherit.
+    "wide": rng.standard_normal((16, 3)).astype(np.float32),
   }
   for name, new in (("bf16-true", "fp32"), ("fp32", "bf16-true")):
     preset = jmp_train.get_preset(name)
@@ -166,6 +169,9 @@ def test_zero1_state_is_refused_padded_and_adjusts_logical():
       want = np.asarray(v, preset.policy.param_dtype).astype(new_dtype)
       assert got[key].shape == v.shape and got[key].dtype == new_dtype
       np.testing.assert_array_equal(got[key], want)
+      assert got[key].sharding.is_equivalent_to(
+        logical.params[key].sharding, v.ndim
+      )
     new_tx = jmp_train.get_preset(new).mixed_precision(optax.adam(1e-3))
     new_plan = zero1.make_plan(new_tx, got, mesh)
     placed = zero1.place(

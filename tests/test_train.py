@@ -735,11 +735,14 @@ def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
   state = train.TrainState.create(params=params, tx=tx, plan=plan)
   with pytest.raises(ValueError, match=r"'x' has shape \(12, 8\).* = 16"):
     step(state, {"x": np.ones((12, 8), np.float32)})
+  # Rows that differ between leaves would pair up and broadcast once split.
+  with pytest.raises(ValueError, match=r"'y' has 16, 'x' has 32 rows"):
+    step(state, {"x": np.ones((32, 8), np.float32), "y": np.ones(16)})
   # A state built for other params: named before anything runs.
   other = train.TrainState.create(
     params={"w": jnp.ones((8,), jnp.bfloat16)}, tx=tx
   )
-  with pytest.raises(ValueError, match=r"has leaves \['master_params/w'\]"):
+  with pytest.raises(ValueError, match=r"'w' is bfloat16\[8\], but the plan"):
     step(other, batch)
   # An unplaced state (no ZeRO padding) for a plan that pads.
   odd = {"w": jnp.ones((5,), jnp.bfloat16)}
@@ -750,6 +753,28 @@ def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
     odd_step(unplaced, {"x": np.ones((8, 5), np.float32)})
   placed = zero1.place(odd_plan, unplaced)
   assert placed.opt_state.master_params["w"].shape == (8,)
+  # Params unlike the plan's, with an optimizer that has no per-param state
+  # to give them away: named, not an indexing error inside jit.
+  sgd = optax.sgd(0.1)
+  sgd_plan = zero1.make_plan(sgd, {"w": jnp.ones((8, 5))}, _models.mesh())
+  other = {"w": jnp.ones((9, 1))}
+  want = r"params leaf 'w' is float32\[9, 1\], but the plan has float32\[8, 5\]"
+  with pytest.raises(ValueError, match=want):
+    train.TrainState.create(params=other, tx=sgd, plan=sgd_plan)
+  sgd_step = train.make_train_step(_linear_loss, sgd, plan=sgd_plan)
+  with pytest.raises(ValueError, match="state." + want):
+    sgd_step(train.TrainState.create(params=other, tx=sgd), batch)
+  # Without a plan too: an Adam state in an SGD step would train as SGD.
+  adam_state = train.TrainState.create(params=params, tx=optax.adam(0.1))
+  with pytest.raises(ValueError, match=r"structure tx.init\(state.params\)"):
+    train.make_train_step(_linear_loss, sgd)(adam_state, batch)
+  with pytest.raises(
+    ValueError, match=r"'0/mu/w' is float32\[4\], but tx.init"
+  ):
+    wrong_params = train.TrainState.create(
+      params={"w": jnp.ones(4)}, tx=optax.adam(0.1)
+    ).replace(params=params)
+    train.make_train_step(_linear_loss, optax.adam(0.1))(wrong_params, batch)
   int_loss = train.make_train_step(
     lambda p, b, s, k: jnp.sum(b["x"] @ p["w"]).astype(jnp.int32), tx
   )

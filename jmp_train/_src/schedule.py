@@ -259,7 +259,7 @@ def adjust_precision(
       lambda d: np.dtype(getattr(d, "dtype", d)), param_dtypes
     )
 
-  def new_param(x, dtype):
+  def new_param(x, dtype, old):
     if not leaves.is_real_float(x):
       return x
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -267,9 +267,15 @@ def adjust_precision(
         f"adjust_precision: a float param cannot become {dtype}; "
         "param_dtypes must give float dtypes for float params."
       )
-    return x.astype(dtype)
+    x = x.astype(dtype)
+    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+      # Where the param was, not where its master was: a ZeRO-1 master is
+      # split over the data axis, and a plan made from the new params would
+      # read that split as the user's own spec.
+      x = jax.device_put(x, old.sharding)
+    return x
 
-  new_params = jax.tree.map(new_param, full, target)
+  new_params = jax.tree.map(new_param, full, target, params)
   masters = param_update_lib.init_masters(preset.param_update, new_params, full)
   scaler = state.loss_scaler
   if not _same_settings(scaler, preset.loss_scale):

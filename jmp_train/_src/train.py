@@ -127,6 +127,7 @@ class TrainState:
       # Under jit the state gets its own buffers: the step donates it, and
       # the caller's params must survive that.
       return jax.jit(build)(*args)
+    zero1.check_params(plan, params, "params")
     abstract = jax.eval_shape(build, *args)
     zero1.check_tree(
       abstract.opt_state,
@@ -161,6 +162,7 @@ def _has_mixed_precision(opt_state: Any) -> bool:
 
 
 def _check_batch(batch: Any, multiple: int, what: str) -> None:
+  rows = {}
   for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
     if np.ndim(x) == 0 or np.shape(x)[0] % multiple:
       raise ValueError(
@@ -168,6 +170,16 @@ def _check_batch(batch: Any, multiple: int, what: str) -> None:
         f"batch leaf needs a leading dimension divisible by {what} = "
         f"{multiple}."
       )
+    rows.setdefault(np.shape(x)[0], leaves.keystr(path))
+  if multiple > 1 and len(rows) > 1:
+    # Split in equal parts, 16 rows of inputs and 8 of labels would pair
+    # 2 with 1 and broadcast: a loss, but not the batch's.
+    found = ", ".join(f"{name!r} has {n}" for n, name in sorted(rows.items()))
+    raise ValueError(
+      f"batch leaves have different leading dimensions ({found} rows): "
+      "the leading dimension is the example, split over devices and "
+      "micro-batches, so every batch leaf needs the same one."
+    )
 
 
 def _micro_grads(loss_fn, has_aux, accum_steps, accum_dtype):
@@ -385,7 +397,19 @@ def make_train_step(
   def step(state: TrainState, batch: Any):
     what = "accum_steps" if plan is None else "data shards x accum_steps"
     _check_batch(batch, n * accum_steps, what)
-    if plan is not None:
+    if plan is None:
+      # An Adam state fed to an SGD step would train as SGD, the moments
+      # carried along untouched.
+      zero1.check_tree(
+        state.opt_state,
+        jax.eval_shape(tx.init, state.params),
+        "state.opt_state",
+        "Build the state with this step's tx: TrainState.create(params=..., "
+        "tx=tx).",
+        by="tx.init(state.params)",
+      )
+    else:
+      zero1.check_params(plan, state.params, "state.params")
       hint = "Lay the state out with this plan (TrainState.create(..., plan=plan) or zero1.place)."
       zero1.check_tree(state.opt_state, plan.opt_state, "state.opt_state", hint)
     if _has_mixed_precision(state.opt_state):

@@ -333,8 +333,11 @@ def resize(x: jax.Array, shape: tuple) -> jax.Array:
   return jnp.pad(x, [(0, s - d) for d, s in zip(x.shape, shape, strict=True)])
 
 
-def check_tree(tree: Any, expected: Any, what: str, hint: str) -> None:
-  """Refuses `tree` unless it has `expected`'s structure, shapes and dtypes.
+def check_tree(
+  tree: Any, expected: Any, what: str, hint: str, by: str = "the plan"
+) -> None:
+  """Refuses `tree` unless it has `expected`'s structure, shapes and dtypes
+  (what `by` gives, for the message).
 
   Runs where shapes are static (before or while tracing), so a state built
   for other params or another optimizer fails with the leaf's name rather
@@ -349,10 +352,10 @@ def check_tree(tree: Any, expected: Any, what: str, hint: str) -> None:
     missing = [k for k in need if k not in set(have)][:3]
     extra = [k for k in have if k not in set(need)][:3]
     parts = [f"it lacks leaves {missing}"] * bool(missing)
-    parts += [f"it has leaves {extra} the plan does not have"] * bool(extra)
+    parts += [f"it has leaves {extra} {by} does not have"] * bool(extra)
     detail = " and ".join(parts) or f"expected {want}, got {got}"
     raise ValueError(
-      f"{what} does not have the planned structure: {detail}. {hint}"
+      f"{what} does not have the structure {by} gives: {detail}. {hint}"
     )
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   for (path, x), e in zip(flat, jax.tree.leaves(expected), strict=True):
@@ -360,9 +363,22 @@ def check_tree(tree: Any, expected: Any, what: str, hint: str) -> None:
     if dtype is None or shape != tuple(e.shape) or dtype != e.dtype:
       kind = f"{np.dtype(dtype).name}{list(shape)}" if dtype else repr(x)
       raise ValueError(
-        f"{what} leaf {leaves.keystr(path)!r} is {kind}, but the plan has "
+        f"{what} leaf {leaves.keystr(path)!r} is {kind}, but {by} has "
         f"{np.dtype(e.dtype).name}{list(e.shape)}. {hint}"
       )
+
+
+def check_params(plan: Plan, params: Any, what: str) -> None:
+  """Refuses `params` unlike those `plan` was made for (their structure,
+  shapes and dtypes), naming the leaf: an optimizer with no per-param state
+  (`optax.sgd`) would otherwise let them through to fail inside jit."""
+  if plan.params is not None:
+    check_tree(
+      params,
+      plan.params,
+      what,
+      "Make the plan from these params: zero1.make_plan(tx, params, mesh).",
+    )
 
 
 def laid_out(plan: Plan, state: Any) -> Any:
@@ -384,6 +400,7 @@ def place(plan: Plan, state: Any) -> Any:
   `tx.init(params)` or a checkpoint gives it. With several processes, its
   process-local leaves must be the same on every process (checked).
   """
+  check_params(plan, state.params, "state.params")
   check_tree(
     state.opt_state,
     plan.logical_opt_state,
