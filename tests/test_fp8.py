@@ -35,8 +35,8 @@ def _reference_scales(amaxes, fp8_max, margin, algo, history_len):
     amax = np.max(history) if algo == "max" else history[0]  # NaN propagates
     with np.errstate(all="ignore"):
       new = fp8_max / amax / 2.0**margin
-      if amax > 0 and np.isfinite(amax) and np.isfinite(np.float32(new)):
-        scale = new
+      if amax > 0 and np.isfinite(amax):  # kept in float32's normal range
+        scale = min(max(new, 2.0**-126), 2.0**126)
     out.append(scale)
   return np.array(out)
 
@@ -68,6 +68,44 @@ def test_scales_follow_the_float64_reference(fmt, algo):
     np.testing.assert_allclose(got[:, i], want, rtol=1e-6)
   # The rule did something in each regime: kept 1 on zeros, moved, and froze.
   assert got[0, 0] == 1.0 and len(set(got[:, 0].tolist())) > 4
+
+
+def test_delayed_scales_stay_in_float32s_normal_range():
+  """A scale of 0 (2**margin past float32's range) makes every output NaN,
+  one above 2**126 a subnormal 1 / scale that XLA flushes to 0: both are
+  clipped, as the current recipe's scales are."""
+  cases = [  # (margin, amax, the written rule in float64, clipped)
+    (200, 1.0, 448.0 / 2.0**200),
+    (127, 448.0, 448.0 / 448.0 / 2.0**127),
+    (3, 2e-37, 448.0 / 2e-37 / 8),
+    (3, 2.0, 448.0 / 2.0 / 8),
+  ]
+  for margin, amax, exact in cases:
+    recipe = fp8.DelayedScaling(margin=margin, amax_history_len=1)
+    state = fp8.step_state(fp8.init_state(recipe), jnp.full(3, amax))
+    want = np.float32(min(max(exact, 2.0**-126), 2.0**126))
+    np.testing.assert_allclose(state.scale[:2], want, rtol=1e-6)
+    x = jnp.full((2, 4), amax / 2, jnp.float32)
+    y = fp8.fp8_dot_general(
+      x,
+      jnp.ones((4, 3)),
+      (((1,), (0,)), ((), ())),
+      scale=state.scale,
+      amax=state.amax[0],
+      recipe=recipe,
+    )
+    assert np.all(np.isfinite(np.asarray(y)))
+
+
+def test_update_refuses_gradients_of_other_state():
+  delayed = fp8.init_state(fp8.DelayedScaling(amax_history_len=2))
+  current = fp8.init_state(fp8.CurrentScaling())
+  with pytest.raises(
+    ValueError, match=r"tree holds 1 FP8 state\(s\) and grads 0"
+  ):
+    fp8.update({"dot": delayed}, {"kernel": jnp.ones(3)})  # params' grads
+  with pytest.raises(ValueError, match="recipe DelayedScaling.*CurrentScaling"):
+    fp8.update({"dot": delayed}, {"dot": current})
 
 
 def test_update_never_advances_on_a_skipped_step_or_a_non_finite_amax():

@@ -382,3 +382,46 @@ def test_compiled_check_reads_xla_gpu_fp8_gemms():
     r"the op_name of 1 matmul\(s\), 1 of them not FP8",
   ):
     fp8.check_fp8(grad, *args, compiled=_gpu_hlo("bf16", False))
+
+
+def test_modules_named_like_jax_scope_labels_keep_their_paths():
+  """Compiled op names carry JAX's own scope labels (while/body, cond,
+  checkpoint); a jaxpr's name stacks carry none, so there a layer named
+  "body" or "checkpoint" is a layer like any other."""
+
+  class Step(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.Dense(8, name="cond")(x), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(8, name="body")(x)
+      x = nn.remat(nn.Dense)(8, name="while")(x)
+      layers = nn.scan(
+        nn.remat(Step),
+        variable_axes={"params": 0, "fp8_meta": 0},
+        split_rngs={"params": True},
+        length=2,
+      )
+      x, _ = layers(name="checkpoint")(x, None)
+      return nn.Dense(2, name="head")(x)
+
+  model = jmp_train.linen.wrap(Model(), "float32", fp8="current")
+  x = jnp.ones((2, 8))
+  v = model.init(jax.random.key(0), x)
+
+  def loss(params, meta):
+    return jnp.sum(model.apply({"params": params, "fp8_meta": meta}, x))
+
+  grad = jax.grad(loss, (0, 1))
+  both = {"forward": 1, "backward": 2}
+  names = ("body", "while", "checkpoint/cond", "head")
+  assert fp8.check_fp8(grad, v["params"], v["fp8_meta"]) == dict.fromkeys(
+    names, both
+  )
+  found = fp8.matmuls(grad, v["params"], v["fp8_meta"])
+  forward = {m.path for m in found if not m.backward}
+  want = {f"_Wrapped/module/{n}/Fp8DotGeneral_0" for n in names}
+  assert forward == want

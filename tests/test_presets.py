@@ -157,10 +157,10 @@ def test_presets_adjust_with_dataclasses_replace():
 def test_preset_fields_are_checked_when_built_or_replaced():
   preset = jmp_train.get_preset("bf16-true")
   bad = {
-    "policy": ("bf16", "policy must be a jmp_train.Policy"),
+    "policy": (3, "policy must be a jmp_train.Policy or its string"),
     "loss_scale": ("dynamic", "loss_scale must be"),
     "param_update": (True, "param_update must be .*MasterWeights"),
-    "fp8": ("hybrid", "fp8 must be a jmp_train.fp8 recipe"),
+    "fp8": (3, "fp8 must be a jmp_train.fp8 recipe"),
     "name": (3, "name must be a str"),
   }
   for field, (value, message) in bad.items():
@@ -168,6 +168,17 @@ def test_preset_fields_are_checked_when_built_or_replaced():
       dataclasses.replace(preset, **{field: value})
   with pytest.raises(ValueError, match="loss_scale"):
     dataclasses.replace(preset, loss_scale=0.0)
+  with pytest.raises(ValueError, match=r"fp8 must be .* got 'hybrid'"):
+    dataclasses.replace(preset, fp8="hybrid")
+  with pytest.raises(ValueError, match="Unknown dtype 'bf17'"):
+    dataclasses.replace(preset, policy="bf17")
+  # What wrap takes, a preset takes: a policy string, a recipe's name.
+  by_name = dataclasses.replace(preset, policy="p=f32,c=bf16", fp8="delayed")
+  assert by_name == dataclasses.replace(
+    preset,
+    policy=jmp_train.get_policy("p=f32,c=bf16"),
+    fp8=jmp_train.fp8.DelayedScaling(),
+  )
 
 
 # The lean presets: bf16 params and compute, less kept beside them. Bytes per

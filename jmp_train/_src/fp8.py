@@ -182,7 +182,21 @@ def update(
     >>> update({"dot": state}, {"dot": grads})["dot"].scale
     Array([ 224.,  112., 7168.], dtype=float32)
   """
-  pairs = list(zip(states(tree), states(grads), strict=True))
+  held, given = states(tree), states(grads)
+  if len(held) != len(given):
+    raise ValueError(
+      f"fp8.update(tree, grads): tree holds {len(held)} FP8 state(s) and "
+      f"grads {len(given)}; pass the gradients with respect to tree itself "
+      "(the FP8 metadata's, not the params'), in that order."
+    )
+  for s, g in zip(held, given, strict=True):
+    if s.recipe != g.recipe:
+      raise ValueError(
+        f"fp8.update: a state of recipe {s.recipe!r} was given gradients of "
+        f"recipe {g.recipe!r}; pass the gradients of this model's own FP8 "
+        "metadata."
+      )
+  pairs = list(zip(held, given, strict=True))
   if not pairs:
     return tree
   amaxes = [combined_amax(g) for _, g in pairs]

@@ -50,9 +50,12 @@ MATMUL_PRIMITIVES = (
 CUBLAS_FP8_TARGET = "__cublas$lt$matmul$f8"
 _HLO_MATMULS = ("dot", "convolution", "ragged-dot")
 _GEMM_TARGET = re.compile(r"^__(cublas\$(gemm|lt\$matmul)|cudnn\$conv)")
-# Scope names JAX adds by itself: jax.checkpoint's, and the lowering's for
-# control flow and calls (JAX 0.10: ad_checkpoint.py, lax/control_flow,
-# interpreters/mlir.py, shard_map.py).
+# Scope names of our own (an override's named call), dropped from every path.
+_OUR_LABELS = re.compile(r"^jmp_train_policy_override$")
+# Scope names JAX adds by itself to compiled op names: jax.checkpoint's, and
+# the lowering's for control flow and calls (JAX 0.10: ad_checkpoint.py,
+# lax/control_flow, interpreters/mlir.py, shard_map.py). A jaxpr's name
+# stacks hold none of them, so there a module may be called "body".
 _JAX_LABELS = re.compile(
   r"^(rematted_computation|checkpoint|while|body|body_pred|cond|"
   r"branch_\d+_fun|closed_call|core_call|shmap_body|"
@@ -95,8 +98,11 @@ def _is_fp8_dtype(name: str) -> bool:
   return name.startswith("float8_")
 
 
-def _scopes(name_stack: str) -> tuple[tuple[str, ...], bool]:
-  """Module names of a rendered name stack, and whether it is transposed."""
+def _scopes(
+  name_stack: str, labels: re.Pattern = _OUR_LABELS
+) -> tuple[tuple[str, ...], bool]:
+  """Module names of a rendered name stack (less the scope names `labels`
+  matches), and whether it is transposed."""
   names: list[str] = []
   transposed = False
   for part in name_stack.split("/"):
@@ -105,7 +111,7 @@ def _scopes(name_stack: str) -> tuple[tuple[str, ...], bool]:
       wrappers.append(m.group(1))
       part = m.group(2)
     transposed |= "transpose" in wrappers
-    if not part or "jit" in wrappers or _JAX_LABELS.match(part):
+    if not part or "jit" in wrappers or labels.match(part):
       continue
     method = _METHOD.match(part)
     if method and names and names[-1] == method.group(1):
@@ -265,7 +271,9 @@ def compiled_matmuls(compiled: Any) -> list[Matmul]:
     op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', tail)
     path, backward = None, False
     if op_name:  # the name stack, then the primitive: ".../dot_general"
-      names, backward = _scopes(op_name.group(1).rpartition("/")[0])
+      names, backward = _scopes(
+        op_name.group(1).rpartition("/")[0], _JAX_LABELS
+      )
       path = "/".join(names)
     fp8 = target == CUBLAS_FP8_TARGET or all(map(_is_fp8_dtype, dtypes))
     found.append(Matmul(path, target or op, tuple(dtypes), backward, fp8))

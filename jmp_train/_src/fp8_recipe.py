@@ -49,8 +49,8 @@ LAST_TO_MAX = {
 }
 FORMATS = ("hybrid", "e4m3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-# The largest scale the current and blockwise recipes use: 1 / 2**126 is
-# float32's smallest normal.
+# The largest scale any recipe uses: 1 / 2**126 is float32's smallest
+# normal.
 MAX_SCALE = 2.0**126
 
 
@@ -271,8 +271,9 @@ def delayed_scale(
   """The delayed scale from an amax history (last axis; entry 0 most recent).
 
   `fp8_max / amax / 2**margin`, where `amax` is the history's max or its
-  entry 0; where that amax is zero or not finite, or the scale would be
-  infinite, the previous `scale` is kept.
+  entry 0, kept in [2**-126, 2**126] as the other recipes' scales are (so
+  `1 / scale` is a normal float32, and a large margin cannot make it 0);
+  where that amax is zero or not finite, the previous `scale` is kept.
   """
   if amax_compute_algo == "max":
     amax = jnp.max(amax_history, axis=-1)
@@ -284,8 +285,15 @@ def delayed_scale(
       f"{', '.join(map(repr, AMAX_COMPUTE_ALGOS))}."
     )
   amax = amax.astype(jnp.float32)
-  new = jnp.asarray(fp8_max, jnp.float32) / amax / jnp.float32(2.0**margin)
-  ok = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
+  # Divided by 2**margin in two exact float32 powers of two (2**margin alone
+  # overflows past 127), then clipped.
+  new = jnp.asarray(fp8_max, jnp.float32) / amax
+  first = min(margin, 126)
+  new = (
+    new / jnp.float32(2.0**first) / jnp.float32(2.0 ** min(margin - first, 126))
+  )
+  new = jnp.clip(new, jnp.float32(1.0 / MAX_SCALE), jnp.float32(MAX_SCALE))
+  ok = (amax > 0) & jnp.isfinite(amax)
   return jnp.where(ok, new, scale)
 
 

@@ -111,19 +111,18 @@ class Preset:
     # replaced, never on unflatten.
     if not isinstance(self.name, str):
       raise TypeError(f"Preset name must be a str, got {self.name!r}.")
-    if not isinstance(self.policy, policy_lib.Policy):
+    if not isinstance(self.policy, (policy_lib.Policy, str)):
       raise TypeError(
-        "Preset policy must be a jmp_train.Policy (e.g. "
-        f"get_policy('p=bf16,c=bf16,o=f32')), got {self.policy!r}."
+        "Preset policy must be a jmp_train.Policy or its string (e.g. "
+        f"'p=bf16,c=bf16,o=f32'), got {self.policy!r}."
       )
+    # What wrap(...) takes, a Preset takes: strings and recipe names too.
+    object.__setattr__(self, "policy", policy_lib.get_policy(self.policy))
     scale = transform.as_loss_scale(self.loss_scale)
     object.__setattr__(self, "loss_scale", scale)
     param_update_lib.check(self.param_update, "Preset param_update")
-    if not (self.fp8 is None or isinstance(self.fp8, fp8_recipe.RECIPES)):
-      raise TypeError(
-        "Preset fp8 must be a jmp_train.fp8 recipe (DelayedScaling, "
-        f"CurrentScaling, BlockwiseScaling) or None, got {self.fp8!r}."
-      )
+    fp8 = fp8_recipe.check_recipe(self.fp8, "Preset fp8")
+    object.__setattr__(self, "fp8", fp8)
     formats = state_storage.check_formats(
       self.state_formats, "Preset state_formats"
     )
