@@ -60,6 +60,24 @@ def parse_args(argv=None):
   args.axes = parse_mesh(args.mesh)
   if "data" not in args.axes:
     raise SystemExit(f"--mesh needs a 'data' axis, got {args.mesh!r}")
+  if args.accum_steps < 1:
+    raise SystemExit(f"--accum-steps must be 1 or more, got {args.accum_steps}")
+  rows = args.axes["data"] * args.accum_steps
+  if args.check and args.batch % rows:
+    raise SystemExit(
+      f"--check compiles a step over --batch {args.batch} rows, which must "
+      f"split over data={args.axes['data']} x --accum-steps "
+      f"{args.accum_steps}: give a multiple of {rows}"
+    )
+  param_dtype = jmp_train.get_preset(args.preset).policy.param_dtype
+  others = [a for a in args.axes if a != "data" and args.axes[a] > 1]
+  if args.check and others and param_dtype == jnp.bfloat16:
+    # README, Limits: XLA:CPU aborts compiling such a step (not an error).
+    raise SystemExit(
+      f"--check with bfloat16 params ({args.preset}) on a mesh with a "
+      f"model axis ({', '.join(others)}) aborts the XLA:CPU compiler: drop "
+      "--check for the table, or use a preset with float32 params"
+    )
   return args
 
 

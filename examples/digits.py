@@ -68,7 +68,10 @@ def parse_args(argv=None):
     "with dynamic scaling)",
   )
   p.add_argument(
-    "--max-steps", type=int, default=None, help="stop early (tests)"
+    "--max-steps",
+    type=int,
+    default=None,
+    help="stop after this many steps of the planned run (tests)",
   )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="output folder")
@@ -159,7 +162,10 @@ def main(argv=None):
       f"--batch-size {args.batch_size} is more than the {len(x_train)} "
       "training images: give at most that many."
     )
-  total_steps = args.epochs * steps_per_epoch
+  # --max-steps stops the planned run early: the schedule is the plan's, so
+  # a shorter run is the start of the full one.
+  planned_steps = args.epochs * steps_per_epoch
+  total_steps = planned_steps
   if args.max_steps is not None:
     total_steps = min(total_steps, args.max_steps)
 
@@ -196,7 +202,7 @@ def main(argv=None):
   params = variables["params"]
   batch_stats = variables.get("batch_stats", {})
   fp8_meta = variables.get("fp8_meta", {})
-  schedule = optax.cosine_decay_schedule(args.lr, total_steps)
+  schedule = optax.cosine_decay_schedule(args.lr, planned_steps)
   # The preset's loss scale, param-update rule and optimizer-state formats.
   tx = preset.mixed_precision(
     optax.adamw(schedule, weight_decay=args.weight_decay)

@@ -81,7 +81,10 @@ FP8_RECIPES = {
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument(
-    "--preset", default="bf16-mixed", choices=list(jmp_train.PRESETS)
+    "--preset",
+    default=None,
+    choices=list(jmp_train.PRESETS),
+    help="the preset to train (default bf16-mixed)",
   )
   p.add_argument(
     "--compare",
@@ -152,10 +155,15 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="output folder")
   args = p.parse_args(argv)
+  if args.compare and args.preset is not None:
+    p.error("--preset and --compare: --compare names every preset it trains")
+  args.preset = args.preset or "bf16-mixed"
   presets = args.compare.split(",") if args.compare else [args.preset]
   for name in presets:
     if name not in jmp_train.PRESETS:
       p.error(f"unknown preset {name!r}; known: {', '.join(jmp_train.PRESETS)}")
+  if len(set(presets)) < len(presets):
+    p.error(f"--compare names a preset twice: {args.compare}")
   args.presets = presets
   for flag in (
     "steps",
@@ -163,10 +171,27 @@ def parse_args(argv=None):
     "seq_len",
     "layers",
     "heads",
+    "accum",
     "eval_every",
   ):
     if getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be 1 or more")
+  if args.d_model % args.heads:
+    p.error(
+      f"--d-model {args.d_model} must be a multiple of --heads {args.heads} "
+      "(each head gets d_model / heads features)"
+    )
+  if not args.lr > 0 or args.warmup < 0:
+    p.error(f"--lr must be > 0 and --warmup >= 0, got {args.lr}, {args.warmup}")
+  # The last tenth of the corpus is the validation text: each split must
+  # hold a window of --seq-len + 1 characters.
+  if args.text_bytes - int(0.9 * args.text_bytes) <= args.seq_len + 1:
+    p.error(
+      f"--text-bytes {args.text_bytes} is too small for --seq-len "
+      f"{args.seq_len}: its last tenth (the validation text) must hold "
+      f"{args.seq_len + 2} characters, so give at least "
+      f"{10 * (args.seq_len + 2)}"
+    )
   dynamic = [
     n
     for n in presets
@@ -294,16 +319,11 @@ def run_preset(args, preset_name, text, out_dir):
   plan = None
   if args.zero1 or processes > 1:
     devices = jax.devices()
-    if (
-      args.zero1
-      and processes == 1
-      and devices[0].platform == "cpu"
-      and len(devices) < ZERO1_DEVICES
-    ):
+    if args.zero1 and len(devices) == 1:
       raise SystemExit(
-        f"--zero1 in one CPU process needs {ZERO1_DEVICES} devices, JAX has "
-        f"{len(devices)} (the example makes {ZERO1_DEVICES} itself unless "
-        "XLA_FLAGS names a count, as launch --cpu-devices does)."
+        "--zero1 over 1 device splits nothing: JAX has 1 (in a lone CPU "
+        f"process the example makes {ZERO1_DEVICES} unless XLA_FLAGS names a "
+        "count, as launch --cpu-devices does; name 2 or more)."
       )
     mesh = jax.make_mesh(
       (len(devices),),

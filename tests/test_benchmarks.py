@@ -26,6 +26,7 @@ import gpt_compare
 import gpt_model
 import lean_state
 import loss_head
+import memory_table
 import overhead
 import suite
 import timing
@@ -1098,3 +1099,24 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(
     "results/overhead-update.json",
     "results/traces",
   ]
+
+
+def test_memory_table_refuses_checks_that_cannot_compile():
+  """A batch that does not split over data x accum, and bfloat16 params on
+  a mesh with a model axis (XLA:CPU aborts: README, Limits), are refused
+  before anything compiles; the table alone is still given."""
+  refused = [
+    (["--mesh", "data=8", "--accum-steps", "2", "--check"], "multiple of 16"),
+    (
+      ["--preset", "bf16-true", "--mesh", "data=4,model=2", "--check"],
+      "aborts the XLA:CPU compiler",
+    ),
+    (["--accum-steps", "0"], "--accum-steps must be 1 or more"),
+  ]
+  for argv, why in refused:
+    with pytest.raises(SystemExit, match=why):
+      memory_table.parse_args(argv)
+  args = memory_table.parse_args(
+    ["--preset", "bf16-true", "--mesh", "data=4,model=2"]
+  )
+  assert args.axes == {"data": 4, "model": 2}

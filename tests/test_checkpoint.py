@@ -22,6 +22,7 @@ import pytest
 import jmp_train as jmp
 from jmp_train import checkpoint, train, zero1
 from jmp_train import nnx as mp_nnx
+from jmp_train._src import checkpoint as checkpoint_src
 from jmp_train._src import checkpoint_format, leaves
 
 TESTS = os.path.dirname(__file__)
@@ -551,7 +552,9 @@ def test_unreadable_data_names_the_step_and_leaf(tmp_path):
   ckpt.close()
 
 
-def test_a_zero_padded_state_saved_without_its_plan_does_not_restore(tmp_path):
+def test_a_zero_padded_state_saved_without_its_plan_does_not_restore(
+  tmp_path, monkeypatch
+):
   tx = _ckpt_child.make_tx()
   plan = _ckpt_child.make_plan(tx)
   params = _ckpt_child.ramp_params()
@@ -567,8 +570,17 @@ def test_a_zero_padded_state_saved_without_its_plan_does_not_restore(tmp_path):
   ]
   assert padded  # the 10-wide extra bias is padded to 16 on 8 devices
   ckpt = checkpoint.Checkpointer(tmp_path)
-  # Without plan= the padding is saved (from the host: no sharded save).
-  ckpt.save(1, *jax.device_get((state.params, state.opt_state)))
+  # Without plan= the padding would be saved: refused, naming the leaf.
+  host = jax.device_get((state.params, state.opt_state))
+  with pytest.raises(ValueError, match="padded shape a ZeRO-1 plan") as e:
+    ckpt.save(1, *host)
+  assert any(path[2:-2] in str(e.value) for path in padded), str(e.value)
+  with pytest.raises(ValueError, match="padded shape a ZeRO-1 plan"):
+    ckpt.save_state(jax.device_get(state))
+  assert ckpt.all_steps() == []
+  # One written anyway (an earlier jmp_train did) does not restore.
+  monkeypatch.setattr(checkpoint_src, "_refuse_padded", lambda p, s: None)
+  ckpt.save(1, *host)
   for target in ({"plan": plan}, {"tx": tx}):
     with pytest.raises(ValueError, match=r"wants float32\[.*plan=") as e:
       ckpt.restore(_ckpt_child.param_template(), **target)

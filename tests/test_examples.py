@@ -99,11 +99,20 @@ def test_example_flags_that_cannot_apply_are_refused_by_name(tmp_path, capsys):
       gpt["parse_args"],
       ["--compare", "fp32,bf16-mixed", "--growth-interval", "5"],
     ),
+    (gpt["parse_args"], ["--accum", "0"]),
+    (gpt["parse_args"], ["--heads", "4", "--d-model", "30"]),
+    (gpt["parse_args"], ["--seq-len", "64", "--text-bytes", "600"]),
+    (gpt["parse_args"], ["--warmup", "-5"]),
+    (gpt["parse_args"], ["--preset", "fp32", "--compare", "fp32,bf16-mixed"]),
   ]
   for parse, argv in refused:
     with pytest.raises(SystemExit):
       parse(argv)
     assert argv[-2] in capsys.readouterr().err, argv
+  with pytest.raises(SystemExit):
+    gpt["parse_args"](["--compare", "fp32,fp32"])
+  assert "names a preset twice" in capsys.readouterr().err
+  assert gpt["parse_args"](["--text-bytes", "660"]).text_bytes == 660
   with pytest.raises(
     SystemExit, match="--batch-size 5000 is more than the 1437"
   ):

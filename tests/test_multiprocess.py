@@ -155,7 +155,10 @@ def test_what_would_be_silently_wrong_raises_alike_on_every_process(runs):
     assert "save's params and opt_state" in report["save_differing"]
     assert "zero1.place's state differs" in report["place_differing"]
     assert "save_state's state" in report["save_state_differing"]
-    assert "global_batch's local rows" in report["uneven_rows"]
+    assert (
+      "local batch leaf 'x' has different numbers of rows on the processes "
+      "({0: 8, 1: 12}" in report["uneven_rows"]
+    )
     assert "another tree structure" in report["other_structure"]
     assert "global_batch needs the step's plan" in report["no_plan_batch"]
     assert "plan=None with 2 processes" in report["no_plan_step"]

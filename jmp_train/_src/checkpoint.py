@@ -300,7 +300,9 @@ class Checkpointer:
         "use save(step, params, opt_state) for params and optimizer state."
       )
     step = _checked_step(state.step)
-    if plan is not None:
+    if plan is None:
+      _refuse_padded(state.params, state.opt_state)
+    else:
       state = zero1.to_logical(_checked_plan(plan), state)
     key = state.key
     if key is not None:
@@ -356,7 +358,9 @@ class Checkpointer:
         one), or `opt_state` is not laid out as `plan` says.
     """
     step = _checked_step(step)
-    if plan is not None:
+    if plan is None:
+      _refuse_padded(params, opt_state)
+    else:
       state = _bare_state(params, opt_state)
       opt_state = zero1.to_logical(_checked_plan(plan), state).opt_state
     items = {"params": params, "opt_state": opt_state}
@@ -767,6 +771,18 @@ class Checkpointer:
     self.wait()
     self._manager.close()
     self._closed = True
+
+
+def _refuse_padded(params: Any, opt_state: Any) -> None:
+  """Refuses an optimizer state laid out by a ZeRO-1 plan, saved without
+  it: its padding would be saved, and such a checkpoint restores nowhere."""
+  where = zero1.find_padded(params, opt_state)
+  if where is not None:
+    raise ValueError(
+      f"opt_state leaf {where} has the padded shape a ZeRO-1 plan lays it "
+      "out in, not its param's: pass plan= (the step's plan), which cuts "
+      "the padding before saving; saved padded, it would restore nowhere."
+    )
 
 
 def _fp8_recipes(state: train.TrainState) -> dict[str, str]:

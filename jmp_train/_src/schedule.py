@@ -38,6 +38,7 @@ from jmp_train._src import (
   state_format,
   state_storage,
   transform,
+  zero1,
 )
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
@@ -60,34 +61,6 @@ def _full_values(params: Any, masters: Any) -> Any:
     return param_update_lib.full_value(p, m)
 
   return jax.tree.map(full, params, masters)
-
-
-def _zero1_padded(x: Any, param_shape: tuple) -> bool:
-  """Whether `x` looks like a leaf as a ZeRO-1 plan stores it: the param's
-  shape with one non-empty dimension padded up, and zeros in the padding (a
-  padded row's gradient is zero) where the values are concrete. States
-  shaped otherwise are an optimizer's own: Adafactor's factored rows,
-  L-BFGS's memory, NovoGrad's per-leaf norms, a Shampoo factor (m, m) for
-  an (m, n) param (its extra columns are not zeros)."""
-  shape = tuple(x.shape)
-  if len(shape) != len(param_shape):
-    return False
-  grown = [
-    d for d, (a, b) in enumerate(zip(shape, param_shape, strict=True)) if a > b
-  ]
-  same = sum(a == b for a, b in zip(shape, param_shape, strict=True))
-  if len(grown) != 1 or same != len(shape) - 1 or param_shape[grown[0]] == 0:
-    return False
-  if not isinstance(x, (jax.Array, np.ndarray)) or isinstance(
-    x, jax.core.Tracer
-  ):
-    return True  # no values to look at
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return True  # a state spread over processes is laid out by a plan
-  padding = np.take(
-    np.asarray(x), np.arange(param_shape[grown[0]], shape[grown[0]]), grown[0]
-  )
-  return not np.any(padding)
 
 
 def _reshaped(x: Any, param_shape: tuple) -> bool:
@@ -133,7 +106,7 @@ def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
     )[0]:
       if jax.tree.structure(node) == structure:
         where = f"opt_state's inner_state/{leaves.keystr(path)}/"
-        check(node, where.replace("//", "/"), _zero1_padded, zero1_hint)
+        check(node, where.replace("//", "/"), zero1.looks_padded, zero1_hint)
   if param_dtypes is not None:
     check(
       param_dtypes,

@@ -556,15 +556,7 @@ def global_batch(local_batch: Any, plan: zero1.Plan | None = None) -> Any:
   here = jax.process_index()
   positions = {k for k, procs in owners.items() if here in procs}
   if jax.process_count() > 1:
-    rows = np.array(
-      [np.shape(x)[:1] or (-1,) for x in jax.tree.leaves(local_batch)],
-      np.int64,
-    )
-    distributed.check_same_on_every_process(
-      {"rows": rows},
-      "global_batch's local rows per leaf (every process passes the same "
-      "number)",
-    )
+    _check_same_rows(local_batch)
 
   def make(path, x):
     if not distributed.is_process_local(x):
@@ -581,6 +573,31 @@ def global_batch(local_batch: Any, plan: zero1.Plan | None = None) -> Any:
     )
 
   return jax.tree_util.tree_map_with_path(make, local_batch)
+
+
+def _check_same_rows(local_batch: Any) -> None:
+  """Every process passes as many rows per leaf (a collective: every
+  process raises the same error, naming the leaf and each one's count)."""
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  flat = jax.tree_util.tree_flatten_with_path(local_batch)[0]
+  # The same leaves first (a gather of unequal lengths would not be one).
+  distributed.check_same_on_every_process(
+    jax.tree.map(lambda x: np.zeros((), np.int8), local_batch),
+    "global_batch's local batch (its structure)",
+  )
+  rows = np.array([np.shape(x)[:1] or (-1,) for _, x in flat], np.int64)
+  every = np.asarray(multihost_utils.process_allgather(rows.reshape(1, -1)))
+  every = every.reshape(jax.process_count(), -1)
+  for i, (path, _) in enumerate(flat):
+    if (every[:, i] != every[0, i]).any():
+      counts = {p: int(n) for p, n in enumerate(every[:, i])}
+      raise ValueError(
+        "global_batch's local batch leaf "
+        f"{leaves.keystr(path)!r} has different numbers of rows on the "
+        f"processes ({counts}, process: rows; -1 for no rows axis): every "
+        "process passes the same number."
+      )
 
 
 def _mean(accum_steps: int, n: int):

@@ -34,7 +34,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_train._src import distributed, leaves
+from jmp_train._src import distributed, leaves, optimizer_state
 
 
 class LeafLayout(NamedTuple):
@@ -366,6 +366,68 @@ def check_tree(
         f"{what} leaf {leaves.keystr(path)!r} is {kind}, but {by} has "
         f"{np.dtype(e.dtype).name}{list(e.shape)}. {hint}"
       )
+
+
+def looks_padded(x: Any, param_shape: tuple) -> bool:
+  """Whether `x` looks like a leaf as a ZeRO-1 plan stores it: the param's
+  shape with one non-empty dimension padded up, and zeros in the padding (a
+  padded row's gradient is zero) where the values are concrete. States
+  shaped otherwise are an optimizer's own: Adafactor's factored rows,
+  L-BFGS's memory, NovoGrad's per-leaf norms, a Shampoo factor (m, m) for
+  an (m, n) param (its extra columns are not zeros)."""
+  shape = tuple(x.shape)
+  if len(shape) != len(param_shape):
+    return False
+  grown = [
+    d for d, (a, b) in enumerate(zip(shape, param_shape, strict=True)) if a > b
+  ]
+  same = sum(a == b for a, b in zip(shape, param_shape, strict=True))
+  if len(grown) != 1 or same != len(shape) - 1 or param_shape[grown[0]] == 0:
+    return False
+  if not isinstance(x, (jax.Array, np.ndarray)) or isinstance(
+    x, jax.core.Tracer
+  ):
+    return True  # no values to look at
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return True  # a state spread over processes is laid out by a plan
+  padding = np.take(
+    np.asarray(x), np.arange(param_shape[grown[0]], shape[grown[0]]), grown[0]
+  )
+  return not np.any(padding)
+
+
+def find_padded(params: Any, opt_state: Any) -> str | None:
+  """The path of an optimizer-state leaf laid out as a plan pads it (see
+  `looks_padded`), among the subtrees of `opt_state` with the params' tree
+  structure (masters, Adam's moments); None if there is none."""
+  structure = jax.tree.structure(params)
+  shapes = [tuple(np.shape(p)) for p in structure.flatten_up_to(params)]
+  # Masters first: None where a param keeps none, so their tree is not the
+  # params' (a mixed_precision state's, wherever it sits).
+  for state in optimizer_state.mixed_precision_states(opt_state):
+    masters = structure.flatten_up_to(state.master_params)
+    for (path, _), x, shape in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0],
+      masters,
+      shapes,
+      strict=True,
+    ):
+      if isinstance(x, (jax.Array, np.ndarray)) and looks_padded(x, shape):
+        return f"master_params/{leaves.keystr(path)}".rstrip("/")
+  if structure.num_nodes == structure.num_leaves:
+    return None  # one bare array: every state leaf has its structure
+  for path, node in jax.tree_util.tree_flatten_with_path(
+    opt_state,
+    is_leaf=lambda x: x is not None and jax.tree.structure(x) == structure,
+  )[0]:
+    if jax.tree.structure(node) != structure:
+      continue
+    for (inner, x), shape in zip(
+      jax.tree_util.tree_flatten_with_path(node)[0], shapes, strict=True
+    ):
+      if isinstance(x, (jax.Array, np.ndarray)) and looks_padded(x, shape):
+        return leaves.keystr((*path, *inner))
+  return None
 
 
 def check_params(plan: Plan, params: Any, what: str) -> None:
