@@ -34,7 +34,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_train._src import distributed, leaves, optimizer_state
+from jmp_train._src import distributed, fp8_param, leaves, optimizer_state
 
 
 class LeafLayout(NamedTuple):
@@ -400,14 +400,20 @@ def find_padded(params: Any, opt_state: Any) -> str | None:
   """The path of an optimizer-state leaf laid out as a plan pads it (see
   `looks_padded`), among the subtrees of `opt_state` with the params' tree
   structure (masters, Adam's moments); None if there is none."""
-  structure = jax.tree.structure(params)
-  shapes = [tuple(np.shape(p)) for p in structure.flatten_up_to(params)]
+  # An Fp8Param is one param here (its master is one float32 array).
+  structure = jax.tree.structure(params, is_leaf=fp8_param.is_fp8_param)
+  shapes = [
+    tuple(p.shape if fp8_param.is_fp8_param(p) else np.shape(p))
+    for p in structure.flatten_up_to(params)
+  ]
   # Masters first: None where a param keeps none, so their tree is not the
   # params' (a mixed_precision state's, wherever it sits).
   for state in optimizer_state.mixed_precision_states(opt_state):
     masters = structure.flatten_up_to(state.master_params)
     for (path, _), x, shape in zip(
-      jax.tree_util.tree_flatten_with_path(params)[0],
+      jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=fp8_param.is_fp8_param
+      )[0],
       masters,
       shapes,
       strict=True,
