@@ -535,6 +535,8 @@ def test_lists_are_changeable_and_validated():
     AutocastLists().with_ops(half={"exp"})
   with pytest.raises(TypeError, match="set of primitive names"):
     AutocastLists(float32="exp")
+  with pytest.raises(TypeError, match=r"float32 must be a set .*\{'tanh'\}"):
+    AutocastLists().with_ops(float32="tanh")  # not four one-letter names
   with pytest.raises(ValueError, match="'scan' is evaluated structurally"):
     AutocastLists().with_ops(float32={"scan"})
   scatter = AutocastLists().with_ops(float32={"scatter-add"})

@@ -425,3 +425,15 @@ def test_modules_named_like_jax_scope_labels_keep_their_paths():
   forward = {m.path for m in found if not m.backward}
   want = {f"_Wrapped/module/{n}/Fp8DotGeneral_0" for n in names}
   assert forward == want
+
+  # jax.checkpoint's own label, added while tracing, is no module.
+  def remat_loss(x, w):
+    def f(x, w):
+      with jax.named_scope("layer"):
+        return jnp.sin(x @ w) @ w
+
+    return jnp.sum(jax.checkpoint(f)(x, w))
+
+  grads = jax.grad(remat_loss, (0, 1))
+  ones = jnp.ones((2, 4)), jnp.ones((4, 4))
+  assert {m.path for m in fp8.matmuls(grads, *ones)} == {"layer"}

@@ -177,3 +177,37 @@ def test_seeds_beyond_what_jax_takes_are_refused_by_name():
     jmp_train.StochasticRounding(seed=2**63)
   with pytest.raises(ValueError, match=r"BFloat16 seed .*2\*\*63"):
     jmp_train.state_format.BFloat16("stochastic", seed=2**64)
+
+
+def test_the_readme_key_rule_reproduces_the_transformation():
+  """README: leaf i's key at update `steps` is
+  fold_in(fold_in(fold_in(key(seed), 0), steps), i); cast_stochastic with
+  that key, applied by hand, gives the params the transformation gives."""
+  seed = 7
+  params = {
+    "a": jnp.full((4096,), 1.0, jnp.bfloat16),
+    "b": jnp.full((4096,), -2.0, jnp.bfloat16),
+  }
+  grads = {"a": jnp.full((4096,), 1e-3), "b": jnp.full((4096,), 2e-3)}
+  tx = jmp_train.mixed_precision(
+    optax.sgd(1.0), param_update=jmp_train.StochasticRounding(seed=seed)
+  )
+  state, got, want = tx.init(params), params, params
+  for steps in range(2):
+    updates, state = tx.update(grads, state, got)
+    got = optax.apply_updates(got, updates)
+    base = jax.random.fold_in(jax.random.key(seed), 0)
+    want = {
+      name: jmp_train.cast_stochastic(
+        {"x": want[name].astype(jnp.float32) - grads[name]},
+        jnp.bfloat16,
+        jax.random.fold_in(jax.random.fold_in(base, steps), i),
+      )["x"]
+      for i, name in enumerate(sorted(params))
+    }
+    for name in params:
+      np.testing.assert_array_equal(
+        np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
+      )
+  # Stochastic: both directions were taken.
+  assert len(np.unique(np.asarray(got["a"], np.float32))) > 1

@@ -216,6 +216,12 @@ class AutocastLists:
         f"AutocastLists.with_ops: unknown list(s) {bad}; the lists are "
         f"{list(_LIST_NAMES)}."
       )
+    for field, names in lists.items():
+      if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+          f"AutocastLists.with_ops: {field} must be a set of primitive "
+          f"names, got {names!r} (e.g. {field}={{{names!r}}})."
+        )
     added = {name for names in lists.values() for name in names}
     fields = {}
     for field in _LIST_NAMES:

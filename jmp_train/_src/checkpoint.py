@@ -50,7 +50,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from jmp_train._src import checkpoint_format as fmt
-from jmp_train._src import distributed, fp8, leaves, train, zero1
+from jmp_train._src import distributed, leaves, train, zero1
 
 _logger = logging.getLogger("jmp_train.checkpoint")
 
@@ -327,7 +327,6 @@ class Checkpointer:
       "train_state": True,
       "key_impl": impl,
       "model_keys": model_keys,
-      "fp8_recipes": _fp8_recipes(state),
     }
     self._write(step, items, meta)
 
@@ -461,8 +460,7 @@ class Checkpointer:
     Raises:
       FileNotFoundError: no checkpoint, or none at `step`.
       ValueError: the checkpoint does not match the target (structure, shape
-        or dtype of a leaf, PRNG key implementation, FP8 recipe), holds no
-        train state (`save` wrote it) or was written in another format.
+        or dtype of a leaf, PRNG key implementation), holds no train state (`save` wrote it) or was written in another format.
       TypeError: `target` is not a `TrainState` or `plan` not a `Plan`.
       OSError: stored data cannot be read; names the leaves.
     """
@@ -488,7 +486,6 @@ class Checkpointer:
       logical = target.replace(opt_state=plan.logical_opt_state)
     want = jax.tree.map(_abstract, logical, shardings)
     self._check_key(step, meta.get("key_impl"), want.key)
-    self._check_recipes(step, meta, target)
     model_keys = meta.get("model_keys", {})
 
     def key_data(path, x):
@@ -631,28 +628,6 @@ class Checkpointer:
       )
     return step, steps, meta
 
-  def _check_recipes(
-    self, step: int, meta: dict, target: train.TrainState
-  ) -> None:
-    """Refuses FP8 state whose recipe differs from the saved one's: the
-    recipe is a static field, not an array, so the shapes can match while
-    the history and scales mean something else (a margin, a history length
-    or a recipe changed). A checkpoint from before recipes were recorded
-    is not checked."""
-    saved = meta.get("fp8_recipes")
-    if saved is None:
-      return
-    wanted = _fp8_recipes(target)
-    for path in sorted(set(saved) | set(wanted)):
-      if saved.get(path) != wanted.get(path):
-        raise ValueError(
-          f"Checkpoint {step} in {self.directory} holds FP8 state at {path} "
-          f"of recipe {saved.get(path)}; the target's is "
-          f"{wanted.get(path)}. Build the target with the recipe that saved "
-          "it (the scales and amax history mean something else under "
-          "another one)."
-        )
-
   def _check_key(
     self, step: int, impl: str | None, key: Any, where: str = "key"
   ) -> None:
@@ -783,18 +758,6 @@ def _refuse_padded(params: Any, opt_state: Any) -> None:
       "out in, not its param's: pass plan= (the step's plan), which cuts "
       "the padding before saving; saved padded, it would restore nowhere."
     )
-
-
-def _fp8_recipes(state: train.TrainState) -> dict[str, str]:
-  """Each FP8 state's recipe, written out, by its path in `state.fp8` or
-  `state.model_state` (NNX keeps its FP8 state among the model's)."""
-  tree = {"fp8": state.fp8, "model_state": state.model_state}
-  found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=fp8.is_fp8_state)
-  return {
-    leaves.keystr(path): repr(x.recipe)
-    for path, x in found[0]
-    if fp8.is_fp8_state(x)
-  }
 
 
 def _check_rollback(rollback: Any) -> None:

@@ -50,12 +50,15 @@ MATMUL_PRIMITIVES = (
 CUBLAS_FP8_TARGET = "__cublas$lt$matmul$f8"
 _HLO_MATMULS = ("dot", "convolution", "ragged-dot")
 _GEMM_TARGET = re.compile(r"^__(cublas\$(gemm|lt\$matmul)|cudnn\$conv)")
-# Scope names of our own (an override's named call), dropped from every path.
-_OUR_LABELS = re.compile(r"^jmp_train_policy_override$")
-# Scope names JAX adds by itself to compiled op names: jax.checkpoint's, and
-# the lowering's for control flow and calls (JAX 0.10: ad_checkpoint.py,
-# lax/control_flow, interpreters/mlir.py, shard_map.py). A jaxpr's name
-# stacks hold none of them, so there a module may be called "body".
+# Scope names added while tracing, dropped from every path: jax.checkpoint's
+# (JAX 0.10: ad_checkpoint.py) and ours (an override's named call).
+_TRACE_LABELS = re.compile(
+  r"^(rematted_computation|jmp_train_policy_override)$"
+)
+# Scope names JAX adds by itself to compiled op names: those, and the
+# lowering's for control flow and calls (lax/control_flow,
+# interpreters/mlir.py, shard_map.py). A jaxpr's name stacks hold none of
+# the lowering's, so there a module may be called "body" or "cond".
 _JAX_LABELS = re.compile(
   r"^(rematted_computation|checkpoint|while|body|body_pred|cond|"
   r"branch_\d+_fun|closed_call|core_call|shmap_body|"
@@ -99,7 +102,7 @@ def _is_fp8_dtype(name: str) -> bool:
 
 
 def _scopes(
-  name_stack: str, labels: re.Pattern = _OUR_LABELS
+  name_stack: str, labels: re.Pattern = _TRACE_LABELS
 ) -> tuple[tuple[str, ...], bool]:
   """Module names of a rendered name stack (less the scope names `labels`
   matches), and whether it is transposed."""

@@ -32,7 +32,6 @@ the collection with that gradient on every step. So:
 from __future__ import annotations
 
 import functools
-import re
 import weakref
 from typing import Any
 
@@ -59,23 +58,18 @@ def _call_index(module: nn.Module) -> int:
 
 
 def _missing_state(module: nn.Module) -> str:
-  """Why `module` finds no FP8 state, and the fix (Flax names neither)."""
-  where = f"FP8 matmul {'/'.join(module.path)}"
-  if not re.search(r"\b(scan|vmap)\(", module.scope.path_text):
-    return (
-      f"{where} finds no {COLLECTION!r} collection in the variables: pass "
-      "apply all the variables init returned (params and "
-      f"{COLLECTION!r}), or the train state's FP8 metadata."
-    )
-  # A lifted transform passes only the collections it names.
+  """Why `module` may find no FP8 state, and the fixes (Flax names none)."""
   return (
-    f"{where} runs inside a lifted transform (nn.scan, nn.RNN, nn.vmap) "
-    f"that does not carry the {COLLECTION!r} collection. Over layers, add "
-    f"it to the axes: nn.scan(..., variable_axes={{'params': 0, "
-    f"{COLLECTION!r}: 0}}) keeps one FP8 state per layer. Over time (an RNN "
-    "cell), broadcast it: nn.RNN(cell, variable_broadcast=['params', "
-    f"{COLLECTION!r}]), whose amaxes are summed over the steps (README, FP8 "
-    "limits); or leave the layer out with wrap(..., fp8_exclude=(...))."
+    f"FP8 matmul {'/'.join(module.path)} finds no {COLLECTION!r} "
+    "collection. Either apply was not given it: pass all the variables init "
+    f"returned (params and {COLLECTION!r}), or the train state's FP8 "
+    "metadata. Or it runs inside a lifted transform (nn.scan, nn.RNN, "
+    "nn.vmap) that does not carry the collection: over layers, add it to "
+    f"the axes, nn.scan(..., variable_axes={{'params': 0, {COLLECTION!r}: "
+    "0}) (one FP8 state per layer); over time (an RNN cell), broadcast it, "
+    f"nn.RNN(cell, variable_broadcast=['params', {COLLECTION!r}]), whose "
+    "amaxes are summed over the steps (README, FP8 limits); or leave the "
+    "layer out with wrap(..., fp8_exclude=(...))."
   )
 
 

@@ -285,13 +285,11 @@ def delayed_scale(
       f"{', '.join(map(repr, AMAX_COMPUTE_ALGOS))}."
     )
   amax = amax.astype(jnp.float32)
-  # Divided by 2**margin in two exact float32 powers of two (2**margin alone
-  # overflows past 127), then clipped.
-  new = jnp.asarray(fp8_max, jnp.float32) / amax
-  first = min(margin, 126)
-  new = (
-    new / jnp.float32(2.0**first) / jnp.float32(2.0 ** min(margin - first, 126))
-  )
+  # fp8_max / 2**margin first (exact: a power of two), by at most 2**126 at
+  # a time (2**margin alone overflows past 127); then the amax, then the clip.
+  top = jnp.asarray(fp8_max, jnp.float32) / jnp.float32(2.0 ** min(margin, 126))
+  top = top / jnp.float32(2.0 ** min(max(margin - 126, 0), 126))
+  new = top / amax
   new = jnp.clip(new, jnp.float32(1.0 / MAX_SCALE), jnp.float32(MAX_SCALE))
   ok = (amax > 0) & jnp.isfinite(amax)
   return jnp.where(ok, new, scale)

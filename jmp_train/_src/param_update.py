@@ -253,10 +253,10 @@ def init_masters(rule: ParamUpdate, params: Any, values: Any = None) -> Any:
       return remainder(p, jnp.asarray(v, jnp.float32))
     if isinstance(rule, KahanSummation):
       if p.dtype != jnp.bfloat16:
-        # float16 has bfloat16's precision but not its range: a carry below
-        # its smallest subnormal (6e-8) is lost, one above rounds to a
-        # whole subnormal step (measured: lr 1e-8 never moves, 5e-8 moves
-        # 19% too far).
+        # float16 lacks bfloat16's (float32's) exponent range: a carry
+        # below its smallest subnormal (6e-8) is lost, one just above rounds
+        # to a whole subnormal step (measured: lr 1e-8 never moves, 5e-8
+        # moves 19% too far).
         raise TypeError(
           f"param_update=KahanSummation() keeps its compensation in the "
           f"param's dtype, which float16 cannot hold below 6e-8; param "

@@ -9,6 +9,7 @@ unchanged. This module is a drop-in superset of jmp 0.0.4's policy API.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
@@ -358,9 +359,9 @@ def get_policy(policy: str | Policy) -> Policy:
   """
   if isinstance(policy, Policy):
     return policy
-  if type(policy).__module__.startswith("jmp.") and hasattr(
-    policy, "compute_dtype"
-  ):  # jmp's own Policy, from code half-way through the one-import switch
+  jmp = sys.modules.get("jmp")
+  if jmp is not None and isinstance(policy, jmp.Policy):
+    # jmp's own, from code half-way through the one-import switch.
     return Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
   if not isinstance(policy, str):
     hint = ""
@@ -376,16 +377,13 @@ def get_policy(policy: str | Policy) -> Policy:
   if "=" not in text:
     try:
       dtype = _parse_dtype(text, policy)
-    except ValueError:
-      from jmp_train._src import presets  # noqa: PLC0415 (imports us)
-
-      if text in presets.PRESETS:
-        raise ValueError(
-          f"{policy!r} is a preset, not a policy: pass its policy, "
-          f"jmp_train.get_preset({text!r}).policy "
-          f"({presets.PRESETS[text].policy!r})."
-        ) from None
-      raise
+    except ValueError as error:
+      # A preset's name is a likely slip; presets sit above policies, so
+      # the hint says where its policy is rather than looking it up.
+      raise ValueError(
+        f"{error} A preset's name goes to jmp_train.get_preset(name), "
+        "whose .policy is its policy."
+      ) from None
     return Policy(dtype, dtype, dtype)
 
   found: dict[str, Any] = {}

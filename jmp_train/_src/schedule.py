@@ -241,10 +241,15 @@ def adjust_precision(
         "param_dtypes must give float dtypes for float params."
       )
     x = x.astype(dtype)
-    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+    if (
+      isinstance(old, jax.Array)
+      and not isinstance(old, jax.core.Tracer)
+      and not x.sharding.is_equivalent_to(old.sharding, x.ndim)
+    ):
       # Where the param was, not where its master was: a ZeRO-1 master is
       # split over the data axis, and a plan made from the new params would
-      # read that split as the user's own spec.
+      # read that split as the user's own spec. (Only then: a put would
+      # commit an uncommitted param to its device.)
       x = jax.device_put(x, old.sharding)
     return x
 

@@ -25,6 +25,7 @@ retry draws new randomness.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -172,13 +173,16 @@ def _check_batch(batch: Any, multiple: int, what: str) -> None:
       )
     rows.setdefault(np.shape(x)[0], leaves.keystr(path))
   if multiple > 1 and len(rows) > 1:
-    # Split in equal parts, 16 rows of inputs and 8 of labels would pair
-    # 2 with 1 and broadcast: a loss, but not the batch's.
+    # Split in equal parts, 16 rows of inputs and 8 of labels pair 2 with 1
+    # and broadcast: a loss, but not the batch's. Tasks of their own batch
+    # sizes split correctly, so this warns (once per trace) and goes on.
     found = ", ".join(f"{name!r} has {n}" for n, name in sorted(rows.items()))
-    raise ValueError(
-      f"batch leaves have different leading dimensions ({found} rows): "
-      "the leading dimension is the example, split over devices and "
-      "micro-batches, so every batch leaf needs the same one."
+    warnings.warn(
+      f"batch leaves have different leading dimensions ({found} rows), "
+      f"each split in {multiple} parts over {what}: rows of one leaf are "
+      "paired with the other's by part, not one to one. Right for tasks "
+      "of their own batch sizes; wrong for inputs and labels of one batch.",
+      stacklevel=4,
     )
 
 
@@ -258,14 +262,17 @@ def _checked_model_state(new: Any, old: Any) -> Any:
       f"dict holding every collection of the model state {sorted(old)}; got "
       f"{got}."
     )
-  extra = sorted(k for k in new if k not in old and k != fp8_lib.COLLECTION)
+  # What a step drops on purpose: params (mutable=True returns them), sown
+  # values of one step, and the FP8 metadata (the step keeps it itself).
+  dropped = ("params", "intermediates", fp8_lib.COLLECTION)
+  extra = sorted(k for k in new if k not in old and k not in dropped)
   if extra:
     raise ValueError(
       f"loss_fn returned model state {extra} that the train state does not "
       f"hold (it holds {sorted(old)}): their updates would be dropped after "
-      "every step. Pass them to "
-      "TrainState.create(model_state=...), or leave them out of "
-      "new_model_state."
+      "every step. Pass them to TrainState.create(model_state=...), or "
+      "leave them out of new_model_state (values sown for one step: "
+      "return them in metrics)."
     )
   for k in old:
     if jax.tree.structure(new[k]) != jax.tree.structure(old[k]):
@@ -430,15 +437,14 @@ def make_train_step(
           scale,
         )
       except NameError as error:
-        if "unbound axis name" not in str(error):
-          raise
-        raise ValueError(
-          f"loss_fn runs a collective over a named axis ({error}), and "
-          "plan=None names none. BatchNorm(axis_name=...) and psum/pmean "
-          "need a plan whose data_axis is that name: "
+        error.add_note(
+          "jmp_train: if this is an unbound axis name, loss_fn runs a "
+          "collective (BatchNorm(axis_name=...), psum, pmean) and plan=None "
+          "names no axis: pass a plan whose data_axis is that name, "
           "zero1.make_plan(tx, params, mesh) (one device makes a one-device "
           "mesh)."
-        ) from error
+        )
+        raise
       grads = jax.tree.map(_mean(accum_steps, 1), grads)
       work = state.params
     else:

@@ -297,7 +297,10 @@ def make_plan(
     zero_stage=zero_stage,
     layouts=layouts,
     params=jax.tree.map(
-      lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+      # As jit holds them: NumPy float64 params train as float32.
+      lambda p, s: jax.ShapeDtypeStruct(
+        p.shape, jax.dtypes.canonicalize_dtype(p.dtype), sharding=s
+      ),
       params,
       param_shardings,
     ),
