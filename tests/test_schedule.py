@@ -73,6 +73,8 @@ def test_bf16_true_to_fp32_keeps_state_and_continues_like_optax():
     new_params["dense"]["kernel"], masters["dense"]["kernel"]
   )
   assert new_params["dense"]["kernel"].dtype == jnp.float32
+  # Left where they were: uncommitted, free to join any later computation.
+  assert not any(x.committed for x in jax.tree.leaves(new_params))
   np.testing.assert_array_equal(
     new_params["norm"]["scale"], params["norm"]["scale"]
   )

@@ -764,6 +764,12 @@ def test_the_step_refuses_inputs_that_would_fail_late_or_silently():
   sgd_step = train.make_train_step(_linear_loss, sgd, plan=sgd_plan)
   with pytest.raises(ValueError, match="state." + want):
     sgd_step(train.TrainState.create(params=other, tx=sgd), batch)
+  # NumPy float64 params train as float32 under jit: the plan says so.
+  np_params = {"w": np.ones(8)}
+  np_plan = zero1.make_plan(sgd, np_params, _models.mesh())
+  np_state = train.TrainState.create(params=np_params, tx=sgd, plan=np_plan)
+  np_step = train.make_train_step(_linear_loss, sgd, plan=np_plan)
+  assert np_step(np_state, batch)[0].params["w"].dtype == jnp.float32
   # Without a plan too: an Adam state in an SGD step would train as SGD.
   adam_state = train.TrainState.create(params=params, tx=optax.adam(0.1))
   with pytest.raises(ValueError, match=r"structure tx.init\(state.params\)"):

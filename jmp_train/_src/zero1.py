@@ -444,8 +444,19 @@ def check_params(plan: Plan, params: Any, what: str) -> None:
   shapes and dtypes), naming the leaf: an optimizer with no per-param state
   (`optax.sgd`) would otherwise let them through to fail inside jit."""
   if plan.params is not None:
-    check_tree(
+    # As jit holds them (NumPy float64 becomes float32), as the plan does.
+    held = jax.tree.map(
+      lambda p: (
+        jax.ShapeDtypeStruct(
+          np.shape(p), jax.dtypes.canonicalize_dtype(p.dtype)
+        )
+        if hasattr(p, "dtype")
+        else p
+      ),
       params,
+    )
+    check_tree(
+      held,
       plan.params,
       what,
       "Make the plan from these params: zero1.make_plan(tx, params, mesh).",
