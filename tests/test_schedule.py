@@ -243,14 +243,26 @@ def test_bad_input_and_schedule():
     )
   bad = _bf16_norm_f32(params)
   bad["dense"]["kernel"] = jnp.int8
-  with pytest.raises(ValueError, match="cannot become int8"):
+  with pytest.raises(ValueError, match="'dense/kernel' cannot become int8"):
     schedule.adjust_precision(params, state, "fp32", param_dtypes=bad)
+  # A value float16 cannot hold would become inf: refused, named.
+  big = jax.tree.map(lambda p: p * 0 + 1e5, params)
+  with pytest.raises(ValueError, match=r"beyond float16's range .* 100000"):
+    schedule.adjust_precision(big, tx.init(big), "fp16-true")
   with pytest.raises(ValueError, match="Unknown preset 'fp12'"):
     schedule.adjust_precision(params, state, "fp12")
   with pytest.raises(ValueError, match="step 0"):
     schedule.PrecisionSchedule({5: "fp32"})
-  with pytest.raises(ValueError, match="ints >= 0, got -1"):
+  with pytest.raises(ValueError, match="int >= 0, got -1"):
     schedule.PrecisionSchedule({0: "fp32", -1: "bf16-mixed"})
+  with pytest.raises(ValueError, match="step 5 to 'fp32', the preset already"):
+    schedule.PrecisionSchedule({0: "fp32", 5: "fp32"})
+  numpy_steps = schedule.PrecisionSchedule(
+    {0: "fp32", np.int64(5): "bf16-true"}
+  )
+  assert numpy_steps.preset_at(5).name == "bf16-true"
+  with pytest.raises(ValueError, match="step must be an int >= 0, got -3"):
+    numpy_steps.preset_at(-3)
   plan = schedule.PrecisionSchedule({0: "fp32", 10: "bf16-true", 20: "fp32"})
   names = [plan.preset_at(s).name for s in (0, 9, 10, 19, 20, 99)]
   assert names == ["fp32", "fp32", "bf16-true", "bf16-true", "fp32", "fp32"]

@@ -91,7 +91,8 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
         ": build the optimizer as jmp_train.mixed_precision(inner) or a "
         "preset's .mixed_precision(inner), outermost."
         if not found
-        else "."
+        else ": use one, outermost (a chain or tuple of several has no one "
+        "loss scale)."
       )
     )
   path, state = found[0]

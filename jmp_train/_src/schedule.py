@@ -23,6 +23,7 @@ for each step and tells a training loop when to switch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -232,15 +233,27 @@ def adjust_precision(
       lambda d: np.dtype(getattr(d, "dtype", d)), param_dtypes
     )
 
-  def new_param(x, dtype, old):
+  def new_param(path, x, dtype, old):
     if not leaves.is_real_float(x):
       return x
+    name = leaves.keystr(path) or "(params)"
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(
-        f"adjust_precision: a float param cannot become {dtype}; "
+        f"adjust_precision: float param {name!r} cannot become {dtype}; "
         "param_dtypes must give float dtypes for float params."
       )
+    wide = x
     x = x.astype(dtype)
+    if not isinstance(x, jax.core.Tracer) and bool(
+      jnp.any(jnp.isfinite(wide) & ~jnp.isfinite(x))
+    ):
+      raise ValueError(
+        f"adjust_precision: param {name!r} holds values beyond "
+        f"{np.dtype(dtype).name}'s range (largest |value| "
+        f"{float(jnp.max(jnp.abs(wide))):.6g}): "
+        f"as {np.dtype(dtype).name} it would be inf. Keep it in a wider "
+        "dtype (param_dtypes=) or rescale it first."
+      )
     if (
       isinstance(old, jax.Array)
       and not isinstance(old, jax.core.Tracer)
@@ -253,7 +266,7 @@ def adjust_precision(
       x = jax.device_put(x, old.sharding)
     return x
 
-  new_params = jax.tree.map(new_param, full, target, params)
+  new_params = jax.tree_util.tree_map_with_path(new_param, full, target, params)
   masters = param_update_lib.init_masters(preset.param_update, new_params, full)
   scaler = state.loss_scaler
   if not _same_settings(scaler, preset.loss_scale):
@@ -365,15 +378,21 @@ class PrecisionSchedule:
       raise ValueError(
         f"PrecisionSchedule needs a preset for step 0, got {dict(steps)!r}."
       )
-    for step in steps:
-      if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    checked = {
+      leaves.check_int(step, "PrecisionSchedule step"): preset
+      for step, preset in steps.items()
+    }
+    self._steps = sorted((s, _as_preset(p)) for s, p in checked.items())
+    for (_, before), (step, after) in itertools.pairwise(self._steps):
+      if before == after:
         raise ValueError(
-          f"PrecisionSchedule steps must be ints >= 0, got {step!r}."
+          f"PrecisionSchedule switches at step {step} to {after.name!r}, the "
+          "preset already running: name each switch once."
         )
-    self._steps = sorted((s, _as_preset(p)) for s, p in steps.items())
 
   def preset_at(self, step: int) -> presets_lib.Preset:
-    """The preset that runs step `step`."""
+    """The preset that runs step `step` (an int >= 0)."""
+    step = leaves.check_int(step, "step")
     current = self._steps[0][1]
     for first, preset in self._steps:
       if first <= step:
@@ -382,6 +401,7 @@ class PrecisionSchedule:
 
   def switch_at(self, step: int) -> presets_lib.Preset | None:
     """The preset to switch to before step `step` (> 0), or None."""
+    step = leaves.check_int(step, "step")
     for first, preset in self._steps:
       if first == step and step > 0:
         return preset
