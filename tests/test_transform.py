@@ -785,7 +785,9 @@ def test_multisteps_outside_never_recovers_from_one_overflow():
     return optax.apply_updates(params, updates), state
 
   for i, (x, y) in enumerate(batches(8)):
-    params, state = step(params, state, x, y, jnp.float32(np.inf * (i == 0)))
+    params, state = step(
+      params, state, x, y, jnp.float32(np.inf if i == 0 else 0.0)
+    )
   for acc in jax.tree.leaves(state.acc_grads):
     assert np.all(np.isnan(acc))
   inner = state.inner_opt_state
@@ -795,6 +797,22 @@ def test_multisteps_outside_never_recovers_from_one_overflow():
     jax.tree.leaves(params), jax.tree.leaves(init_params()), strict=True
   ):
     np.testing.assert_array_equal(a, b)  # never trained
+  # optax's own remedy, should_skip_update_fn=skip_not_finite, drops the
+  # overflowing micro-step before mixed_precision sees it: the accumulator
+  # stays finite, but the scale never backs off (no skip is counted).
+  tx = optax.MultiSteps(
+    mp, every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite
+  )
+  params = init_params()
+  state = tx.init(params)
+  for i, (x, y) in enumerate(batches(8)):
+    params, state = step(
+      params, state, x, y, jnp.float32(np.inf if i == 0 else 0.0)
+    )
+  assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(state.acc_grads))
+  inner = state.inner_opt_state
+  assert int(inner.skipped_steps) == 0 and int(inner.steps) > 0
+  assert float(inner.loss_scaler.loss_scale) == 2.0**8
 
 
 def test_the_fix_clips_unscaled_gradients_like_plain_optax():
