@@ -382,6 +382,27 @@ def test_bad_input():
     mp_linen.wrap(Model(), "bf16", overrides={"LayerNorm": "float32"})
   with pytest.raises(TypeError, match=r"overrides must be a mapping.*\[<"):
     mp_linen.wrap(Model(), "bf16", overrides=[nn.LayerNorm])
+  with pytest.raises(ValueError, match="maps Dense to None, which drops a"):
+    mp_linen.wrap(Model(), "bf16", overrides={nn.Dense: None})
+
+
+def test_none_for_a_subclass_of_a_default_makes_it_follow_the_policy():
+  """The most specific class wins, None included: a LayerNorm subclass
+  mapped to None follows the policy while LayerNorm keeps float32."""
+
+  class MyNorm(nn.LayerNorm):
+    pass
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = MyNorm(name="mine")(nn.Dense(4)(x))
+      return nn.LayerNorm(name="plain")(x)
+
+  model = mp_linen.wrap(Net(), "bf16", overrides={MyNorm: None})
+  params = model.init(jax.random.key(0), jnp.ones((2, 4)))["params"]
+  assert params["mine"]["scale"].dtype == jnp.bfloat16
+  assert params["plain"]["scale"].dtype == jnp.float32
   with pytest.raises(ValueError, match="Unknown dtype 'bf15'"):
     mp_linen.wrap(Model(), "p=bf15")
 
@@ -659,3 +680,39 @@ def test_call_arguments_cast_only_float_arrays_and_pass_objects_by_reference():
     return wrapped.apply(variables, {**batch, "x": x}, counter)
 
   assert primitive_operand_dtypes(apply, variables, X) == [BF16_PAIR]
+
+
+def test_an_override_output_dtype_is_what_the_layers_after_it_see():
+  """README: a user override returns its own output dtype, and a layer
+  after it with dtype=None computes in that dtype; o= the enclosing
+  compute dtype keeps the rest of the model in it."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4, name="inner")(x)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3, name="after")(Block(name="block")(x))
+
+  def dtypes(override):
+    model = mp_linen.wrap(
+      Net(), "p=f32,c=bf16,o=f32", overrides={Block: override}
+    )
+    x = jnp.ones((2, 4))
+    params = model.init(jax.random.key(0), x)["params"]
+    found = jmp_train.fp8.matmuls(
+      lambda p: model.apply({"params": p}, x), params
+    )
+    return {m.path.split("/")[-1]: m.dtypes for m in found}
+
+  assert dtypes("float32") == {
+    "inner": ("float32", "float32"),
+    "after": ("float32", "float32"),
+  }
+  assert dtypes("p=f32,c=f32,o=bf16") == {
+    "inner": ("float32", "float32"),
+    "after": ("bfloat16", "bfloat16"),
+  }

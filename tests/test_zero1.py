@@ -52,6 +52,46 @@ def test_make_plan_refuses_bad_arguments():
     zero1.make_plan(
       _models.tx(), params, _models.mesh(), param_specs={"w": P()}
     )
+  # Each spec, by the leaf it is for.
+  name = jax.tree_util.keystr(
+    jax.tree_util.tree_leaves_with_path(params)[0][0],
+    simple=True,
+    separator="/",
+  )
+  for bad, error, why in (
+    ("model", TypeError, "must be a PartitionSpec or None, got 'model'"),
+    (P("mlp"), ValueError, "'mlp' is not an axis of the mesh"),
+    (P("data"), ValueError, "uses the data axis 'data'"),
+  ):
+    specs = jax.tree_util.tree_unflatten(
+      jax.tree.structure(params),
+      [bad] + [None] * (len(jax.tree.leaves(params)) - 1),
+    )
+    with pytest.raises(error, match=f"param_specs leaf '{name}'.*{why}"):
+      zero1.make_plan(_models.tx(), params, _models.mesh(), param_specs=specs)
+
+
+def test_flax_partitioning_boxes_are_refused_with_the_route():
+  """Boxed params (nn.with_partitioning) read as no spec would replicate
+  the kernel without a word; the message's route shards it."""
+  import flax.linen as nn
+  from jax.sharding import AxisType
+
+  init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+  layer = nn.Dense(4, kernel_init=init)
+  boxed = layer.init(jax.random.key(0), jnp.ones((2, 6)))["params"]
+  mesh = jax.make_mesh(
+    (4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+  )
+  with pytest.raises(ValueError, match=r"\['kernel'\] are Flax partitioning"):
+    zero1.make_plan(optax.adam(1e-3), boxed, mesh)
+  plan = zero1.make_plan(
+    optax.adam(1e-3),
+    nn.meta.unbox(boxed),
+    mesh,
+    param_specs=nn.get_partition_spec(boxed),
+  )
+  assert plan.param_shardings["kernel"].spec == P(None, "model")
 
 
 @pytest.fixture(scope="module")

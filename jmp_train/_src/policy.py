@@ -181,7 +181,7 @@ class Override(NamedTuple):
   """A module class's policy under `linen.wrap`/`nnx.wrap`."""
 
   cls: type
-  policy: Policy
+  policy: Policy | None  # None: a default's subclass that follows the policy
   output_to_enclosing: bool  # defaults return to the enclosing compute dtype
 
 
@@ -214,18 +214,31 @@ def override_table(
         f"overrides keys must be {framework} Module classes, got {cls!r}."
       )
     if value is None:
+      covered = [d for d in defaults if issubclass(cls, d)]
+      if not covered:
+        raise ValueError(
+          f"overrides maps {cls.__name__} to None, which drops a default "
+          f"override, and {cls.__name__} has none (the defaults: "
+          f"{', '.join(d.__name__ for d in defaults)}): leave it out to "
+          "follow the policy, or give it a policy."
+        )
       table.pop(cls, None)
+      if cls not in defaults:
+        # A subclass of a default: it follows the policy, its base not.
+        table[cls] = Override(cls, None, False)
     else:
       table[cls] = Override(cls, get_policy(value), False)
   return tuple(table.values())
 
 
 def find_override(module: Any, overrides: tuple[Override, ...]):
-  """The override of `module`'s class or its nearest base class, or None."""
+  """The override of `module`'s class or its nearest base class, or None
+  (also where that nearest one is a subclass mapped to None)."""
   by_class = {o.cls: o for o in overrides}
   for cls in type(module).__mro__:
     if cls in by_class:
-      return by_class[cls]
+      found = by_class[cls]
+      return None if found.policy is None else found
   return None
 
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.core import meta as flax_meta
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -195,7 +196,9 @@ def _spec_of(p: Any, mesh: Mesh) -> P:
   return P()
 
 
-def _check_param_specs(param_specs: Any, params: Any) -> None:
+def _check_param_specs(
+  param_specs: Any, params: Any, mesh: Mesh, data_axis: str
+) -> None:
   is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
   got = jax.tree.structure(param_specs, is_leaf=is_spec)
   want = jax.tree.structure(params)
@@ -204,6 +207,37 @@ def _check_param_specs(param_specs: Any, params: Any) -> None:
       "param_specs must have the params' tree structure (one PartitionSpec "
       f"per param): the params are {want}, param_specs is {got}."
     )
+  named = jax.tree_util.tree_flatten_with_path(params)[0]
+  specs = want.flatten_up_to(param_specs)
+  for (path, p), spec in zip(named, specs, strict=True):
+    where = f"param_specs leaf {leaves.keystr(path)!r}"
+    if spec is None:
+      continue
+    if not isinstance(spec, P):
+      raise TypeError(
+        f"{where} must be a PartitionSpec or None, got {spec!r} (e.g. "
+        "P(None, 'model'))."
+      )
+    for dim, entry in enumerate(spec):
+      axes = entry if isinstance(entry, tuple) else (entry,)
+      for axis in axes:
+        if axis is not None and axis not in mesh.axis_names:
+          raise ValueError(
+            f"{where} is {spec}: {axis!r} is not an axis of the mesh "
+            f"{mesh.axis_names}."
+          )
+        if axis == data_axis:
+          raise ValueError(
+            f"{where} is {spec}: it uses the data axis {data_axis!r}, over "
+            "which params stay replicated (ZeRO-1 splits the optimizer "
+            "state, not the params); name only model axes."
+          )
+      size = math.prod(mesh.shape[a] for a in axes if a is not None)
+      if dim < np.ndim(p) and np.shape(p)[dim] % size:
+        raise ValueError(
+          f"{where} is {spec}: dimension {dim} of the param "
+          f"{tuple(np.shape(p))} does not split over {size} devices."
+        )
 
 
 def make_plan(
@@ -243,10 +277,26 @@ def make_plan(
     )
   if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
     raise ValueError(f"zero_stage must be 0 or 1, got {zero_stage!r}.")
+  boxed = [
+    leaves.keystr(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata)
+    )[0]
+    if isinstance(x, flax_meta.AxisMetadata)
+  ]
+  if boxed:
+    # Their names would be read as no spec: the params replicated.
+    raise ValueError(
+      f"params {boxed[:3]} are Flax partitioning boxes "
+      "(nn.with_partitioning): unbox them and pass their specs, "
+      "make_plan(tx, nn.meta.unbox(params), mesh, "
+      "param_specs=nn.get_partition_spec(params)) (with logical names, "
+      "nn.logical_to_mesh_axes(...) first), and train the unboxed params."
+    )
   n = mesh.shape[data_axis] if zero_stage == 1 else 1
   if param_specs is None:
     param_specs = jax.tree.map(lambda p: _spec_of(p, mesh), params)
-  _check_param_specs(param_specs, params)
+  _check_param_specs(param_specs, params, mesh, data_axis)
   layouts = jax.tree.map(
     lambda p, s: leaf_layout(tuple(p.shape), s, n, data_axis),
     params,
