@@ -255,14 +255,20 @@ def test_bad_input_and_schedule():
     schedule.PrecisionSchedule({5: "fp32"})
   with pytest.raises(ValueError, match="int >= 0, got -1"):
     schedule.PrecisionSchedule({0: "fp32", -1: "bf16-mixed"})
-  with pytest.raises(ValueError, match="step 5 to 'fp32', the preset already"):
-    schedule.PrecisionSchedule({0: "fp32", 5: "fp32"})
+  # A step naming the preset already running switches nothing.
+  phases = schedule.PrecisionSchedule(
+    {0: "fp32", 5: "bf16-true", 9: "bf16-true"}
+  )
+  assert phases.switch_at(9) is None and phases.preset_at(9).name == "bf16-true"
   numpy_steps = schedule.PrecisionSchedule(
     {0: "fp32", np.int64(5): "bf16-true"}
   )
   assert numpy_steps.preset_at(5).name == "bf16-true"
-  with pytest.raises(ValueError, match="step must be an int >= 0, got -3"):
-    numpy_steps.preset_at(-3)
+  # A train state's step (an int32 array) names a step too.
+  assert numpy_steps.switch_at(jnp.asarray(5, jnp.int32)).name == "bf16-true"
+  for bad in (-3, 2.0, True):
+    with pytest.raises(ValueError, match="step must be an int >= 0, got"):
+      numpy_steps.preset_at(bad)
   plan = schedule.PrecisionSchedule({0: "fp32", 10: "bf16-true", 20: "fp32"})
   names = [plan.preset_at(s).name for s in (0, 9, 10, 19, 20, 99)]
   assert names == ["fp32", "fp32", "bf16-true", "bf16-true", "fp32", "fp32"]

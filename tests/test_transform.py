@@ -772,17 +772,22 @@ def test_multisteps_outside_never_recovers_from_one_overflow():
   mp = jmp_train.mixed_precision(
     optax.sgd(0.1), loss_scale=jmp_train.dynamic_loss_scale(2.0**8)
   )
+
+  def stepper(tx):
+    @jax.jit
+    def step(params, state, x, y, poison):
+      scale = state.inner_opt_state.loss_scaler.loss_scale
+      grads = jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
+      grads = jax.tree.map(lambda g: g + poison, grads)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    return step
+
   tx = optax.MultiSteps(mp, every_k_schedule=2)
+  step = stepper(tx)
   params = init_params()
   state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, x, y, poison):
-    scale = state.inner_opt_state.loss_scaler.loss_scale
-    grads = jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
-    grads = jax.tree.map(lambda g: g + poison, grads)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
 
   for i, (x, y) in enumerate(batches(8)):
     params, state = step(
@@ -803,6 +808,7 @@ def test_multisteps_outside_never_recovers_from_one_overflow():
   tx = optax.MultiSteps(
     mp, every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite
   )
+  step = stepper(tx)
   params = init_params()
   state = tx.init(params)
   for i, (x, y) in enumerate(batches(8)):

@@ -92,6 +92,14 @@ def test_flax_partitioning_boxes_are_refused_with_the_route():
     param_specs=nn.get_partition_spec(boxed),
   )
   assert plan.param_shardings["kernel"].spec == P(None, "model")
+  # Boxes placed by jit (Flax's guide) carry their spec in their sharding.
+  abstract = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((2, 6)))
+  placed = jax.jit(
+    lambda: layer.init(jax.random.key(0), jnp.ones((2, 6))),
+    out_shardings=nn.get_sharding(abstract, mesh),
+  )()["params"]
+  plan = zero1.make_plan(optax.adam(1e-3), placed, mesh)
+  assert nn.meta.unbox(plan.param_shardings)["kernel"].spec == P(None, "model")
 
 
 @pytest.fixture(scope="module")

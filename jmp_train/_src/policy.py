@@ -214,17 +214,20 @@ def override_table(
         f"overrides keys must be {framework} Module classes, got {cls!r}."
       )
     if value is None:
-      covered = [d for d in defaults if issubclass(cls, d)]
-      if not covered:
+      # Classes with an override of their own or through a base class.
+      overridden = [*defaults] + [
+        c for c, v in overrides.items() if v is not None and c is not cls
+      ]
+      if not any(issubclass(cls, c) for c in overridden):
         raise ValueError(
-          f"overrides maps {cls.__name__} to None, which drops a default "
-          f"override, and {cls.__name__} has none (the defaults: "
-          f"{', '.join(d.__name__ for d in defaults)}): leave it out to "
-          "follow the policy, or give it a policy."
+          f"overrides maps {cls.__name__} to None, which makes an overridden "
+          f"class follow the policy, and {cls.__name__} has no override "
+          f"(the defaults: {', '.join(d.__name__ for d in defaults)}, and "
+          "the classes given): leave it out, or give it a policy."
         )
       table.pop(cls, None)
       if cls not in defaults:
-        # A subclass of a default: it follows the policy, its base not.
+        # A subclass of an overridden class: it follows the policy.
         table[cls] = Override(cls, None, False)
     else:
       table[cls] = Override(cls, get_policy(value), False)

@@ -24,6 +24,7 @@ for each step and tells a training loop when to switch.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -244,8 +245,11 @@ def adjust_precision(
       )
     wide = x
     x = x.astype(dtype)
-    if not isinstance(x, jax.core.Tracer) and bool(
-      jnp.any(jnp.isfinite(wide) & ~jnp.isfinite(x))
+    narrower = jnp.finfo(dtype).maxexp < jnp.finfo(wide.dtype).maxexp
+    if (
+      narrower  # float16 (bfloat16 has float32's range)
+      and not isinstance(x, jax.core.Tracer)
+      and bool(jnp.any(jnp.isfinite(wide) & ~jnp.isfinite(x)))
     ):
       raise ValueError(
         f"adjust_precision: param {name!r} holds values beyond "
@@ -362,6 +366,20 @@ def adjust_nnx_precision(
       flax_nnx.update(model, fp8_lib.rescale_output_grads(meta, new / old))
 
 
+def _step_index(step: Any) -> int:
+  """`step` as an int >= 0: a Python or NumPy int, or a concrete integer
+  array (a train state's step); bools and floats are refused."""
+  try:
+    if isinstance(step, bool) or getattr(step, "dtype", None) == np.bool_:
+      raise TypeError
+    index = operator.index(step)
+  except TypeError:
+    index = -1
+  if index < 0:
+    raise ValueError(f"step must be an int >= 0, got {step!r}.")
+  return index
+
+
 class PrecisionSchedule:
   """Which preset runs at each step: `{first_step: preset, ...}`.
 
@@ -382,17 +400,18 @@ class PrecisionSchedule:
       leaves.check_int(step, "PrecisionSchedule step"): preset
       for step, preset in steps.items()
     }
-    self._steps = sorted((s, _as_preset(p)) for s, p in checked.items())
-    for (_, before), (step, after) in itertools.pairwise(self._steps):
-      if before == after:
-        raise ValueError(
-          f"PrecisionSchedule switches at step {step} to {after.name!r}, the "
-          "preset already running: name each switch once."
-        )
+    ordered = sorted((s, _as_preset(p)) for s, p in checked.items())
+    # A step naming the preset already running switches nothing.
+    self._steps = ordered[:1] + [
+      (step, after)
+      for (_, before), (step, after) in itertools.pairwise(ordered)
+      if after != before
+    ]
 
   def preset_at(self, step: int) -> presets_lib.Preset:
-    """The preset that runs step `step` (an int >= 0)."""
-    step = leaves.check_int(step, "step")
+    """The preset that runs step `step` (an int >= 0, or an integer array
+    such as `TrainState.step`)."""
+    step = _step_index(step)
     current = self._steps[0][1]
     for first, preset in self._steps:
       if first <= step:
@@ -401,7 +420,7 @@ class PrecisionSchedule:
 
   def switch_at(self, step: int) -> presets_lib.Preset | None:
     """The preset to switch to before step `step` (> 0), or None."""
-    step = leaves.check_int(step, "step")
+    step = _step_index(step)
     for first, preset in self._steps:
       if first == step and step > 0:
         return preset

@@ -277,18 +277,30 @@ def make_plan(
     )
   if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
     raise ValueError(f"zero_stage must be 0 or 1, got {zero_stage!r}.")
+
+  def unplaced_box(x):
+    # A box whose array is not on this mesh: with no specs given, its axis
+    # names would be read as no spec, and the param replicated. (Boxes
+    # placed by jit's out_shardings carry their spec in their sharding.)
+    return (
+      param_specs is None
+      and isinstance(x, flax_meta.AxisMetadata)
+      and _spec_of(getattr(x, "value", None), mesh) == P()
+      and any(n is not None for n in getattr(x, "names", ()))
+    )
+
   boxed = [
     leaves.keystr(path)
     for path, x in jax.tree_util.tree_flatten_with_path(
       params, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata)
     )[0]
-    if isinstance(x, flax_meta.AxisMetadata)
+    if unplaced_box(x)
   ]
   if boxed:
-    # Their names would be read as no spec: the params replicated.
     raise ValueError(
-      f"params {boxed[:3]} are Flax partitioning boxes "
-      "(nn.with_partitioning): unbox them and pass their specs, "
+      f"params {boxed[:3]} are Flax partitioning boxes (nn.with_partitioning "
+      "and the like) not placed on the mesh, whose names would be read as "
+      "no spec: unbox them and pass their specs, "
       "make_plan(tx, nn.meta.unbox(params), mesh, "
       "param_specs=nn.get_partition_spec(params)) (with logical names, "
       "nn.logical_to_mesh_axes(...) first), and train the unboxed params."
