@@ -773,7 +773,9 @@ def test_multisteps_outside_never_recovers_from_one_overflow():
     optax.sgd(0.1), loss_scale=jmp_train.dynamic_loss_scale(2.0**8)
   )
 
-  def stepper(tx):
+  def run(tx):
+    """8 micro-steps of `tx`, the first with an inf gradient."""
+
     @jax.jit
     def step(params, state, x, y, poison):
       scale = state.inner_opt_state.loss_scaler.loss_scale
@@ -782,17 +784,14 @@ def test_multisteps_outside_never_recovers_from_one_overflow():
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
 
-    return step
+    params = init_params()
+    state = tx.init(params)
+    for i, (x, y) in enumerate(batches(8)):
+      poison = jnp.float32(np.inf if i == 0 else 0.0)
+      params, state = step(params, state, x, y, poison)
+    return params, state
 
-  tx = optax.MultiSteps(mp, every_k_schedule=2)
-  step = stepper(tx)
-  params = init_params()
-  state = tx.init(params)
-
-  for i, (x, y) in enumerate(batches(8)):
-    params, state = step(
-      params, state, x, y, jnp.float32(np.inf if i == 0 else 0.0)
-    )
+  params, state = run(optax.MultiSteps(mp, every_k_schedule=2))
   for acc in jax.tree.leaves(state.acc_grads):
     assert np.all(np.isnan(acc))
   inner = state.inner_opt_state
@@ -805,16 +804,11 @@ def test_multisteps_outside_never_recovers_from_one_overflow():
   # optax's own remedy, should_skip_update_fn=skip_not_finite, drops the
   # overflowing micro-step before mixed_precision sees it: the accumulator
   # stays finite, but the scale never backs off (no skip is counted).
-  tx = optax.MultiSteps(
-    mp, every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite
-  )
-  step = stepper(tx)
-  params = init_params()
-  state = tx.init(params)
-  for i, (x, y) in enumerate(batches(8)):
-    params, state = step(
-      params, state, x, y, jnp.float32(np.inf if i == 0 else 0.0)
+  _, state = run(
+    optax.MultiSteps(
+      mp, every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite
     )
+  )
   assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(state.acc_grads))
   inner = state.inner_opt_state
   assert int(inner.skipped_steps) == 0 and int(inner.steps) > 0

@@ -460,7 +460,8 @@ class Checkpointer:
     Raises:
       FileNotFoundError: no checkpoint, or none at `step`.
       ValueError: the checkpoint does not match the target (structure, shape
-        or dtype of a leaf, PRNG key implementation), holds no train state (`save` wrote it) or was written in another format.
+        or dtype of a leaf, PRNG key implementation), holds no train state
+        (`save` wrote it) or was written in another format.
       TypeError: `target` is not a `TrainState` or `plan` not a `Plan`.
       OSError: stored data cannot be read; names the leaves.
     """

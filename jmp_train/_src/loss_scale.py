@@ -635,14 +635,14 @@ def from_jmp(loss_scale: Any) -> Any:
   along; they have the same fields and, with jmp's defaults, the same rule
   (backoff by 1 / factor, no hysteresis, no ceiling).
   """
-  cls = type(loss_scale)
-  if not cls.__module__.startswith("jmp."):
+  jmp = sys.modules.get("jmp")  # not imported: nothing can be jmp's
+  if jmp is None:
     return loss_scale
-  if cls.__name__ == "NoOpLossScale":
+  if isinstance(loss_scale, jmp.NoOpLossScale):
     return NoOpLossScale()
-  if cls.__name__ == "StaticLossScale":
+  if isinstance(loss_scale, jmp.StaticLossScale):
     return StaticLossScale(loss_scale.loss_scale)
-  if cls.__name__ == "DynamicLossScale":
+  if isinstance(loss_scale, jmp.DynamicLossScale):
     return DynamicLossScale(
       loss_scale.loss_scale,
       counter=loss_scale.counter,

@@ -84,16 +84,15 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
   """
   found = _states_with_paths(opt_state)
   if len(found) != 1:
+    fix = (
+      "use one, outermost (a chain or tuple of several has no one loss scale)"
+      if found
+      else "build the optimizer as jmp_train.mixed_precision(inner) or a "
+      "preset's .mixed_precision(inner), outermost"
+    )
     raise ValueError(
       "Expected exactly one mixed_precision state in the optimizer state, "
-      f"found {len(found)}"
-      + (
-        ": build the optimizer as jmp_train.mixed_precision(inner) or a "
-        "preset's .mixed_precision(inner), outermost."
-        if not found
-        else ": use one, outermost (a chain or tuple of several has no one "
-        "loss scale)."
-      )
+      f"found {len(found)}: {fix}."
     )
   path, state = found[0]
   _check_outermost(opt_state, path)

@@ -181,7 +181,7 @@ class Override(NamedTuple):
   """A module class's policy under `linen.wrap`/`nnx.wrap`."""
 
   cls: type
-  policy: Policy | None  # None: a default's subclass that follows the policy
+  policy: Policy | None  # None: an overridden class's subclass mapped to None
   output_to_enclosing: bool  # defaults return to the enclosing compute dtype
 
 

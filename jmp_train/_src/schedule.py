@@ -98,17 +98,11 @@ def _check_logical(params: Any, state: Any, param_dtypes: Any) -> None:
   check(
     state.master_params, "opt_state's master_params/", _reshaped, zero1_hint
   )
-  # Every subtree of the inner state that has the params' structure (Adam's
-  # mu and nu). With one bare array as params every state leaf has its
-  # structure, counts included, so only the masters can be compared.
-  if structure.num_nodes > structure.num_leaves:
-    for path, node in jax.tree_util.tree_flatten_with_path(
-      state.inner_state,
-      is_leaf=lambda x: x is not None and jax.tree.structure(x) == structure,
-    )[0]:
-      if jax.tree.structure(node) == structure:
-        where = f"opt_state's inner_state/{leaves.keystr(path)}/"
-        check(node, where.replace("//", "/"), zero1.looks_padded, zero1_hint)
+  # Every subtree of the inner state that has the params' structure (with
+  # one bare array as params, only the masters can be compared).
+  for path, node in zero1.subtrees_like(structure, state.inner_state):
+    where = f"opt_state's inner_state/{leaves.keystr(path)}/"
+    check(node, where.replace("//", "/"), zero1.looks_padded, zero1_hint)
   if param_dtypes is not None:
     check(
       param_dtypes,
@@ -367,17 +361,14 @@ def adjust_nnx_precision(
 
 
 def _step_index(step: Any) -> int:
-  """`step` as an int >= 0: a Python or NumPy int, or a concrete integer
-  array (a train state's step); bools and floats are refused."""
-  try:
-    if isinstance(step, bool) or getattr(step, "dtype", None) == np.bool_:
-      raise TypeError
-    index = operator.index(step)
-  except TypeError:
-    index = -1
-  if index < 0:
-    raise ValueError(f"step must be an int >= 0, got {step!r}.")
-  return index
+  """`step` as an int >= 0 (`leaves.check_int`), a concrete integer array
+  (a train state's step) included."""
+  if not isinstance(step, bool) and getattr(step, "dtype", None) != np.bool_:
+    try:
+      step = operator.index(step)
+    except TypeError:
+      pass  # check_int names it
+  return leaves.check_int(step, "step")
 
 
 class PrecisionSchedule:

@@ -77,21 +77,41 @@ def is_layout(x: Any) -> bool:
   return isinstance(x, LeafLayout)
 
 
-def _normalized_spec(spec: Any, ndim: int, data_axis: str) -> tuple:
+def _check_spec(
+  spec: tuple, shape: tuple, data_axis: str, where: str, mesh: Mesh | None
+) -> None:
+  """Refuses a param's spec ZeRO-1 cannot lay out; `where` starts each
+  message. With `mesh`, also axes it lacks and dimensions that do not
+  split over theirs."""
+  if len(spec) > len(shape):
+    raise ValueError(f"{where} has more entries than ndim={len(shape)}.")
+  for dim, entry in enumerate(spec):
+    axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
+    if data_axis in axes:
+      raise ValueError(
+        f"{where} uses the data axis {data_axis!r}, over which params stay "
+        "replicated (ZeRO-1 splits the optimizer state, not the params); "
+        "name only model axes."
+      )
+    if mesh is None:
+      continue
+    for axis in axes:
+      if axis not in mesh.axis_names:
+        raise ValueError(
+          f"{where}: {axis!r} is not an axis of the mesh {mesh.axis_names}."
+        )
+    size = math.prod(mesh.shape[a] for a in axes)
+    if shape[dim] % size:
+      raise ValueError(
+        f"{where}: dimension {dim} of the param {shape} does not split over "
+        f"{size} devices."
+      )
+
+
+def _normalized_spec(spec: Any, shape: tuple, data_axis: str) -> tuple:
   spec = tuple(P() if spec is None else spec)
-  if len(spec) > ndim:
-    raise ValueError(
-      f"PartitionSpec {P(*spec)} has more entries than ndim={ndim}."
-    )
-  names = []
-  for entry in spec:
-    names += list(entry) if isinstance(entry, tuple) else [entry]
-  if data_axis in names:
-    raise ValueError(
-      f"Param spec {P(*spec)} uses the data axis {data_axis!r}: ZeRO-1 keeps "
-      "params replicated over it; shard params over model axes only."
-    )
-  return spec + (None,) * (ndim - len(spec))
+  _check_spec(spec, shape, data_axis, f"PartitionSpec {P(*spec)}", None)
+  return spec + (None,) * (len(shape) - len(spec))
 
 
 def leaf_layout(shape: tuple, spec: Any, n: int, data_axis: str) -> LeafLayout:
@@ -105,7 +125,7 @@ def leaf_layout(shape: tuple, spec: Any, n: int, data_axis: str) -> LeafLayout:
     >>> leaf_layout((10, 6), None, 4, "data")
     LeafLayout(spec=(None, None), dim=0, padded=12)
   """
-  spec = _normalized_spec(spec, len(shape), data_axis)
+  spec = _normalized_spec(spec, shape, data_axis)
   size = math.prod(shape)
   best, best_key = None, None
   for d, length in enumerate(shape):
@@ -197,8 +217,10 @@ def _spec_of(p: Any, mesh: Mesh) -> P:
 
 
 def _check_param_specs(
-  param_specs: Any, params: Any, mesh: Mesh, data_axis: str
+  param_specs: Any, params: Any, mesh: Mesh, data_axis: str, given: bool
 ) -> None:
+  """Refuses param specs ZeRO-1 cannot lay out, naming the leaf (`given`:
+  the user's `param_specs`, else read from the params' shardings)."""
   is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
   got = jax.tree.structure(param_specs, is_leaf=is_spec)
   want = jax.tree.structure(params)
@@ -208,36 +230,23 @@ def _check_param_specs(
       f"per param): the params are {want}, param_specs is {got}."
     )
   named = jax.tree_util.tree_flatten_with_path(params)[0]
-  specs = want.flatten_up_to(param_specs)
-  for (path, p), spec in zip(named, specs, strict=True):
-    where = f"param_specs leaf {leaves.keystr(path)!r}"
+  for (path, p), spec in zip(
+    named, want.flatten_up_to(param_specs), strict=True
+  ):
+    name = leaves.keystr(path)
     if spec is None:
       continue
     if not isinstance(spec, P):
       raise TypeError(
-        f"{where} must be a PartitionSpec or None, got {spec!r} (e.g. "
-        "P(None, 'model'))."
+        f"param_specs leaf {name!r} must be a PartitionSpec or None, got "
+        f"{spec!r} (e.g. P(None, 'model'))."
       )
-    for dim, entry in enumerate(spec):
-      axes = entry if isinstance(entry, tuple) else (entry,)
-      for axis in axes:
-        if axis is not None and axis not in mesh.axis_names:
-          raise ValueError(
-            f"{where} is {spec}: {axis!r} is not an axis of the mesh "
-            f"{mesh.axis_names}."
-          )
-        if axis == data_axis:
-          raise ValueError(
-            f"{where} is {spec}: it uses the data axis {data_axis!r}, over "
-            "which params stay replicated (ZeRO-1 splits the optimizer "
-            "state, not the params); name only model axes."
-          )
-      size = math.prod(mesh.shape[a] for a in axes if a is not None)
-      if dim < np.ndim(p) and np.shape(p)[dim] % size:
-        raise ValueError(
-          f"{where} is {spec}: dimension {dim} of the param "
-          f"{tuple(np.shape(p))} does not split over {size} devices."
-        )
+    where = (
+      f"param_specs leaf {name!r} ({spec})"
+      if given
+      else f"param {name!r} (placed with {spec})"
+    )
+    _check_spec(tuple(spec), tuple(np.shape(p)), data_axis, where, mesh)
 
 
 def make_plan(
@@ -306,9 +315,10 @@ def make_plan(
       "nn.logical_to_mesh_axes(...) first), and train the unboxed params."
     )
   n = mesh.shape[data_axis] if zero_stage == 1 else 1
-  if param_specs is None:
+  given = param_specs is not None
+  if not given:
     param_specs = jax.tree.map(lambda p: _spec_of(p, mesh), params)
-  _check_param_specs(param_specs, params, mesh, data_axis)
+  _check_param_specs(param_specs, params, mesh, data_axis, given)
   layouts = jax.tree.map(
     lambda p, s: leaf_layout(tuple(p.shape), s, n, data_axis),
     params,
@@ -461,38 +471,38 @@ def looks_padded(x: Any, param_shape: tuple) -> bool:
   return not np.any(padding)
 
 
+def subtrees_like(structure: Any, tree: Any) -> list[tuple[Any, Any]]:
+  """`(path, subtree)` for each subtree of `tree` with the tree structure
+  `structure` (the params': Adam's mu and nu). None for one bare array as
+  params, where every state leaf has its structure, counts included."""
+  if structure.num_nodes == structure.num_leaves:
+    return []
+  found = jax.tree_util.tree_flatten_with_path(
+    tree, is_leaf=lambda x: x is not None and jax.tree.structure(x) == structure
+  )[0]
+  return [(p, x) for p, x in found if jax.tree.structure(x) == structure]
+
+
 def find_padded(params: Any, opt_state: Any) -> str | None:
   """The path of an optimizer-state leaf laid out as a plan pads it (see
   `looks_padded`), among the subtrees of `opt_state` with the params' tree
   structure (masters, Adam's moments); None if there is none."""
   # An Fp8Param is one param here (its master is one float32 array).
-  structure = jax.tree.structure(params, is_leaf=fp8_param.is_fp8_param)
+  named, structure = jax.tree_util.tree_flatten_with_path(
+    params, is_leaf=fp8_param.is_fp8_param
+  )
   shapes = [
     tuple(p.shape if fp8_param.is_fp8_param(p) else np.shape(p))
-    for p in structure.flatten_up_to(params)
+    for _, p in named
   ]
   # Masters first: None where a param keeps none, so their tree is not the
   # params' (a mixed_precision state's, wherever it sits).
   for state in optimizer_state.mixed_precision_states(opt_state):
     masters = structure.flatten_up_to(state.master_params)
-    for (path, _), x, shape in zip(
-      jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=fp8_param.is_fp8_param
-      )[0],
-      masters,
-      shapes,
-      strict=True,
-    ):
+    for (path, _), x, shape in zip(named, masters, shapes, strict=True):
       if isinstance(x, (jax.Array, np.ndarray)) and looks_padded(x, shape):
         return f"master_params/{leaves.keystr(path)}".rstrip("/")
-  if structure.num_nodes == structure.num_leaves:
-    return None  # one bare array: every state leaf has its structure
-  for path, node in jax.tree_util.tree_flatten_with_path(
-    opt_state,
-    is_leaf=lambda x: x is not None and jax.tree.structure(x) == structure,
-  )[0]:
-    if jax.tree.structure(node) != structure:
-      continue
+  for path, node in subtrees_like(structure, opt_state):
     for (inner, x), shape in zip(
       jax.tree_util.tree_flatten_with_path(node)[0], shapes, strict=True
     ):
@@ -505,24 +515,21 @@ def check_params(plan: Plan, params: Any, what: str) -> None:
   """Refuses `params` unlike those `plan` was made for (their structure,
   shapes and dtypes), naming the leaf: an optimizer with no per-param state
   (`optax.sgd`) would otherwise let them through to fail inside jit."""
-  if plan.params is not None:
-    # As jit holds them (NumPy float64 becomes float32), as the plan does.
-    held = jax.tree.map(
-      lambda p: (
-        jax.ShapeDtypeStruct(
-          np.shape(p), jax.dtypes.canonicalize_dtype(p.dtype)
-        )
-        if hasattr(p, "dtype")
-        else p
-      ),
-      params,
-    )
-    check_tree(
-      held,
-      plan.params,
-      what,
-      "Make the plan from these params: zero1.make_plan(tx, params, mesh).",
-    )
+  # As jit holds them (NumPy float64 becomes float32), as the plan does.
+  held = jax.tree.map(
+    lambda p: (
+      jax.ShapeDtypeStruct(np.shape(p), jax.dtypes.canonicalize_dtype(p.dtype))
+      if hasattr(p, "dtype")
+      else p
+    ),
+    params,
+  )
+  check_tree(
+    held,
+    plan.params,
+    what,
+    "Make the plan from these params: zero1.make_plan(tx, params, mesh).",
+  )
 
 
 def laid_out(plan: Plan, state: Any) -> Any:
