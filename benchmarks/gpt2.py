@@ -42,6 +42,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import sys
 
 # The shared GPT model lives with the examples.
@@ -49,12 +50,14 @@ sys.path.insert(
   0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 )
 
+import deviceless
 import gpt_model
 import jax
 import jax.numpy as jnp
 import md
 import numpy as np
 import optax
+import overhead
 import timing
 
 import jmp_train
@@ -110,9 +113,25 @@ def parse_args(argv=None):
   p.add_argument(
     "--no-compile", action="store_true", help="--torch without torch.compile"
   )
+  p.add_argument(
+    "--kernels",
+    action="store_true",
+    help="compile each step without running it and count its kernels",
+  )
+  p.add_argument(
+    "--target",
+    choices=sorted(deviceless.TARGETS),
+    default=None,
+    help="with --kernels: compile for this GPU on a machine without one"
+    " (benchmarks/deviceless.py; needs JAX's CUDA plugin)",
+  )
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   # Every check before any work: a lent GPU's run is too scarce to fail late.
+  if args.target and not args.kernels:
+    p.error(f"--target {args.target} compiles without running: add --kernels")
+  if args.kernels and args.torch:
+    p.error("--kernels counts the JAX steps' kernels: drop --torch")
   if "" in args.presets.split(","):
     p.error(f"--presets: {args.presets!r} names an empty preset")
   for flag in ("presets", "autocast"):
@@ -143,7 +162,7 @@ def peak_flops(kind: str) -> float | None:
 
 def _ours(results: dict) -> list[dict]:
   """jmp_train's runs (not the PyTorch twin's), by batch then loss."""
-  runs = [r for r in results.values() if "framework" not in r]
+  runs = [r for r in results.values() if "rows" in r and "framework" not in r]
   return sorted(runs, key=lambda r: (r["batch"], _run_label(r)))
 
 
@@ -165,9 +184,13 @@ def table(results: dict) -> str:
   runs = _ours(results)
   if not runs:
     return md.not_measured("benchmarks/gpt2.py (it needs a GPU)")
+  # Runs from more than one GPU session may sit side by side: each row then
+  # names its device.
+  devices = {r["device"] for r in runs}
   rows = [
     [
       x["step"],
+      *([r["device"].split(",")[0]] if len(devices) > 1 else []),
       r["batch"],
       _run_label(r),
       f"{x['ms']:.1f}",
@@ -180,11 +203,13 @@ def table(results: dict) -> str:
     for r in runs
     for x in r["rows"]
   ]
-  header = ["step", "batch", "loss", "ms/step", "steps/s", "tokens/s"]
+  header = ["step", *(["device"] if len(devices) > 1 else []), "batch"]
+  header += ["loss", "ms/step", "steps/s", "tokens/s"]
   g = runs[0]
   peak = g["peak_bf16_tflops"]
+  where = g["device"] if len(devices) == 1 else " and ".join(sorted(devices))
   out = [
-    f"{g['model']}, on {g['device']}; "
+    f"{g['model']}, on {where}; "
     + (
       f"MFU over a dense bf16 peak of {peak} TFLOP/s."
       if peak
@@ -211,7 +236,8 @@ def table(results: dict) -> str:
       if "autocast bf16-mixed" in by_name:
         auto = by_name["autocast bf16-mixed"]["ms"] / mixed["ms"]
         line += f"; autocast bf16-mixed {md.ratio(auto)} the bf16-mixed step"
-      line += f" (batch {g['batch']}, loss {_run_label(g)})."
+      on = f"{g['device'].split(',')[0]}, " if len(devices) > 1 else ""
+      line += f" ({on}batch {g['batch']}, loss {_run_label(g)})."
     out += ["", line]
   return "\n".join(out)
 
@@ -271,6 +297,88 @@ def torch_table(results: dict) -> str:
   header = ["precision", "jmp_train run", "jmp_train tokens/s"]
   header += ["PyTorch tokens/s", "ratio", "goal >= 1.00x"]
   out += ["", md.table(header, rows)]
+  return "\n".join(out)
+
+
+def reduction_kernels(hlo_text: str) -> int:
+  """How many of a compiled module's fusions compute a reduction (their
+  fused computation holds a `reduce`): the finite check and the gradient
+  norm add one or two per param."""
+  bodies = re.split(r"\n(?=\S)", hlo_text)
+  reducing = {
+    m[1]
+    for body in bodies
+    if " reduce(" in body and (m := re.match(r"%?([\w.\-]+) ", body))
+  }
+  calls = re.findall(r"\sfusion\(.*?calls=%?([\w.\-]+)", hlo_text)
+  return sum(c in reducing for c in calls)
+
+
+def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
+  """Each step compiled, not run: its kernels (`overhead.kernel_list`), the
+  bytes they move and how many reduce; with `--target`, for that GPU.
+  `params` is the model's float32 params tree."""
+  topo = deviceless.topology(args.target) if args.target else None
+  place = (lambda t: deviceless.abstract(t, topo)) if topo else (lambda t: t)
+  kernels = {}
+  for name, (step, state) in steps.items():
+    hlo = step.lower(place(state), place(tokens)).compile().as_text()
+    found = overhead.kernel_list(hlo)
+    kernels[name] = {
+      "total": len(found),
+      "reductions": reduction_kernels(hlo),
+      "mbytes": round(sum(b for _, b in found) / 1e6, 1),
+    }
+    print(f"{name}: {kernels[name]}", flush=True)
+  kind = (
+    f"{deviceless.name(args.target)} (compiled here, not run)"
+    if args.target
+    else jax.devices()[0].device_kind
+  )
+  return {
+    "what": "kernels per step",
+    "model": model_line(cfg, sum(x.size for x in jax.tree.leaves(params))),
+    "leaves": len(jax.tree.leaves(params)),
+    "batch": args.batch,
+    "loss": loss_label(args),
+    "kernels": kernels,
+    "device": f"{kind}, {platform.machine()}",
+    "jax": jax.__version__,
+    **({"cuda_plugin": deviceless.plugin()} if args.target else {}),
+  }
+
+
+def kernels_table(results: dict) -> str:
+  """Kernels per compiled GPT-2 step, against the hand-written bf16 step."""
+  runs = [r for r in results.values() if "kernels" in r]
+  if not runs:
+    return md.not_measured("benchmarks/gpt2.py --kernels --target h100")
+  out = []
+  for r in runs:
+    k = r["kernels"]
+    base = k.get("hand-bf16", next(iter(k.values())))
+    rows = [
+      [
+        name,
+        v["total"],
+        f"{v['total'] - base['total']:+d}",
+        v["reductions"],
+        f"{v['reductions'] - base['reductions']:+d}",
+        f"{v['mbytes']:,.0f}",
+        md.ratio(v["mbytes"] / base["mbytes"]),
+      ]
+      for name, v in k.items()
+    ]
+    header = ["step", "kernels", "vs hand-bf16", "reductions", "vs hand-bf16"]
+    header += ["MB moved", "vs hand-bf16"]
+    out += [
+      f"{r['model']} ({r['leaves']} param leaves), batch {r['batch']}, loss"
+      f" {r['loss']}; {r['device']}, jax {r['jax']}"
+      + (f" with {r['cuda_plugin']}" if r.get("cuda_plugin") else "")
+      + ".",
+      "",
+      md.table(header, rows),
+    ]
   return "\n".join(out)
 
 
@@ -452,6 +560,13 @@ def main(argv=None):
     params = preset.policy.cast_to_param(init_variables(base)["params"])
     state = train.TrainState.create(params=params, tx=tx)
     steps[f"autocast {name}"] = (train.make_train_step(loss_fn, tx), state)
+
+  if args.kernels:
+    result = kernels_main(args, cfg, steps, tokens, params)
+    print(kernels_table({"gpt2-kernels": result}))
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
 
   state = {}
   for name, (step, s) in steps.items():

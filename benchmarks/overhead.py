@@ -396,10 +396,14 @@ def gpu_table(results: dict) -> str:
   if not full:
     return md.not_measured("benchmarks/overhead.py on a GPU")
   first = full[0]
+  # Rows from more than one GPU session: each names its device.
+  devices = sorted({r["device"].split(",")[0] for r in rows})
   body = []
   for r in rows:
     m, q = r["median_ms"], r["ratio_vs_plain"]
     label, study = _label(r), ""
+    if len(devices) > 1:
+      label += f", {r['device'].split(',')[0]}"
     if "tiny-cond" in m:
       label += " (`--study`)"
       study = ", ".join(
@@ -417,10 +421,12 @@ def gpu_table(results: dict) -> str:
   q = first["ratio_vs_plain"]["ours"]
   extra_us = 1e3 * (first["median_ms"]["ours"] - first["median_ms"]["plain"])
   update = [r for r in rows if r["what"].startswith("optimizer")]
+  on = f" on {first['device'].split(',')[0]}" if len(devices) > 1 else ""
   line = (
     f"The skip alone (skip-only, and tiny-cond and select-skip with"
     f" `--study`) stays within {100 * max(skips):.1f}% of plain; ours is"
-    f" {md.ratio(q)} of plain in the full step, about {extra_us:.0f} us per step"
+    f" {md.ratio(q)} of plain in the full step{on}, about {extra_us:.0f} us"
+    " per step"
   )
   if update:
     line += f", and {md.ratio(update[0]['ratio_vs_plain']['ours'])} in the update alone"
@@ -436,7 +442,7 @@ def gpu_table(results: dict) -> str:
   )
   return "\n".join(
     [
-      f"{first['device'].split(',')[0]}, `benchmarks/overhead.py --batch"
+      f"{' and '.join(devices)}, `benchmarks/overhead.py --batch"
       f" {first['batch']} --steps {first['rounds']}` (and `--update-only`,"
       " `--study`).",
       "",

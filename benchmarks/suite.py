@@ -60,6 +60,8 @@ CPU_JOBS = {
   "overhead-kernels-h100": "overhead.py --kernels --target h100 --batch 16384",
   "overhead-kernels-h100-update": "overhead.py --kernels --target h100"
   " --update-only",
+  "gpt2-kernels-h100": "gpt2.py --kernels --target h100"
+  " --presets bf16-mixed,fp16-mixed",
   "host-cost": "host_cost.py",
   "host-cost-deep": "host_cost.py --layers 74 --steps-per-round 30 --rounds 40",
   "zero1": "zero1.py",
@@ -79,7 +81,11 @@ CPU_JOBS = {
 # Jobs that compile for a GPU without one: they need JAX's CUDA plugin
 # (`pip install "jax[cuda12]"`, jax's version), and a whole run skips them,
 # with a line, where it is missing.
-DEVICELESS = {"overhead-kernels-h100", "overhead-kernels-h100-update"}
+DEVICELESS = {
+  "overhead-kernels-h100",
+  "overhead-kernels-h100-update",
+  "gpt2-kernels-h100",
+}
 # CUDA 12's: the H100 target (deviceless.TARGETS) names CUDA 12.9.
 CUDA_PLUGINS = ("jax_cuda12_plugin",)
 GPU_JOBS = {

@@ -461,6 +461,47 @@ def test_gpt2_benchmark_tiny_runs(capsys):
   assert "| bf16-mixed |" in capsys.readouterr().out
 
 
+def test_gpt2_kernels_counts_the_finite_checks_reductions(capsys):
+  # mixed_precision's finite check and gradient norm reduce the gradients,
+  # which the hand-written bf16 step does not (XLA:CPU here, which fuses
+  # some of them with other reductions; compiled for an H100, the suite's
+  # gpt2-kernels-h100, they are one or two kernels per param leaf).
+  result = gpt2.main(
+    [
+      *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--no-plain"),
+      *("--autocast", "", "--kernels"),
+    ]
+  )
+  k = result["kernels"]
+  assert list(k) == ["hand-bf16", "bf16-mixed"]
+  assert k["bf16-mixed"]["reductions"] > k["hand-bf16"]["reductions"]
+  assert k["bf16-mixed"]["total"] > k["hand-bf16"]["total"]
+  text = gpt2.kernels_table({"k": result})
+  assert f"| bf16-mixed | {k['bf16-mixed']['total']} |" in text
+  assert "rows" not in result and gpt2.table({"k": result}).startswith(
+    "Not measured"
+  )
+
+
+def test_gpt2_reduction_kernels_reads_fused_computations():
+  hlo = "\n".join(
+    [
+      "%fused_a (p: f32[4]) -> f32[] {",
+      "  ROOT %r = f32[] reduce(f32[4] %p, f32[] %c), to_apply=%add",
+      "}",
+      "%fused_b (p: f32[4]) -> f32[4] {",
+      "  ROOT %m = f32[4] multiply(f32[4] %p, f32[4] %p)",
+      "}",
+      "ENTRY %main (x: f32[4]) -> f32[] {",
+      "  %f1 = f32[] fusion(f32[4] %x), kind=kInput, calls=%fused_a",
+      "  %f2 = f32[4] fusion(f32[4] %x), kind=kLoop, calls=%fused_b",
+      "  ROOT %f3 = f32[] fusion(f32[4] %f2), kind=kInput, calls=%fused_a",
+      "}",
+    ]
+  )
+  assert gpt2.reduction_kernels(hlo) == 2
+
+
 def test_torch_side_by_side_verdicts_come_from_tokens_per_s():
   def run(framework, rows, n_params=100, device="H100"):
     result = dict(model="GPT", batch=16, device=device, n_params=n_params)
