@@ -210,11 +210,21 @@ def script_of(name: str) -> str | None:
   return None
 
 
-def run_job(name: str, argv: list[str], json_dir: pathlib.Path) -> float:
+def run_job(
+  name: str,
+  argv: list[str],
+  json_dir: pathlib.Path,
+  timeout: float | None = None,
+) -> float:
+  """Runs one job in its own process; its seconds, or RuntimeError when it
+  fails or runs past `timeout` seconds (then it is killed)."""
   cmd = [sys.executable, *argv, "--json", str(json_dir / f"{name}.json")]
   print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
   t0 = time.perf_counter()
-  done = subprocess.run(cmd, cwd=ROOT, env=os.environ)
+  try:
+    done = subprocess.run(cmd, cwd=ROOT, env=os.environ, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    raise RuntimeError(f"{name} timed out after {timeout:g}s") from None
   if done.returncode:
     raise RuntimeError(f"{name} failed (exit {done.returncode})")
   return time.perf_counter() - t0
@@ -348,6 +358,21 @@ def main(argv=None):
     help="after each job, write the json dir (and the perfetto traces"
     " under it) to this .tar.gz: a run cut short keeps what finished",
   )
+  p.add_argument(
+    "--job-timeout",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="kill a job that runs longer (it counts as failed; the others run)",
+  )
+  p.add_argument(
+    "--deadline",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="start no job once the run has taken this long (those left count"
+    " as failed): a lent GPU's session ends with what finished",
+  )
   p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
   p.add_argument(
     "--json-dir",
@@ -358,6 +383,14 @@ def main(argv=None):
 
   if args.archive and not pathlib.Path(args.archive).parent.is_dir():
     p.error(f"--archive {args.archive}: its folder does not exist")
+  for flag in ("job_timeout", "deadline"):
+    value = getattr(args, flag)
+    if value is not None and not value > 0:  # NaN too
+      p.error(
+        f"--{flag.replace('_', '-')} must be a positive number of"
+        f" seconds, got {value}"
+      )
+  start = time.monotonic()
   gpu = gpu_kind()
   json_dir = pathlib.Path(args.json_dir)
   json_dir.mkdir(parents=True, exist_ok=True)
@@ -380,6 +413,13 @@ def main(argv=None):
     # Written first, so a run cut short still says which machine it was.
     (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))
     for name, job in todo.items():
+      if args.deadline and time.monotonic() - start >= args.deadline:
+        print(
+          f"== {name}: not started, past --deadline {args.deadline:g}s",
+          flush=True,
+        )
+        failed.append(name)
+        continue
       if name in DEVICELESS and not cuda_plugin():
         print(
           f"== {name}: skipped, it needs JAX's CUDA plugin"
@@ -390,7 +430,7 @@ def main(argv=None):
           failed.append(name)
         continue
       try:
-        seconds = run_job(name, job, json_dir)
+        seconds = run_job(name, job, json_dir, args.job_timeout)
         print(f"== {name}: {seconds:.1f}s", flush=True)
       except RuntimeError as e:  # the other jobs still run and render
         print(f"== {e}", flush=True)

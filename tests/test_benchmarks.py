@@ -9,6 +9,7 @@ import pathlib
 import re
 import statistics
 import sys
+import time
 
 import pytest
 
@@ -710,7 +711,7 @@ def test_suite_skips_a_deviceless_job_without_the_plugin(
   monkeypatch.setattr(suite, "cuda_plugin", lambda: False)
   ran = []
 
-  def run_job(name, job, where):
+  def run_job(name, job, where, timeout=None):
     ran.append(name)
     return 0.0
 
@@ -1110,7 +1111,7 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(
 
   seen = []
 
-  def run_job(name, job, where):
+  def run_job(name, job, where, timeout=None):
     if seen:  # the first job's results were archived before this one ran
       assert archived() == [
         "results",
@@ -1161,3 +1162,55 @@ def test_memory_table_refuses_checks_that_cannot_compile():
     ["--preset", "bf16-true", "--mesh", "data=4,model=2"]
   )
   assert args.axes == {"data": 4, "model": 2}
+
+
+def test_suite_kills_a_job_past_its_timeout_and_stops_at_the_deadline(
+  tmp_path, capsys, monkeypatch
+):
+  # A lent GPU's session is minutes long: a job that hangs is killed and the
+  # others run; past the deadline no job starts, and the run says which.
+  t0 = time.monotonic()
+  sleeper = ["-c", "import time; time.sleep(60)"]
+  with pytest.raises(RuntimeError, match="sleepy timed out after 0.5s"):
+    suite.run_job("sleepy", sleeper, tmp_path, timeout=0.5)
+  assert time.monotonic() - t0 < 30
+  monkeypatch.setattr(suite, "gpu_kind", lambda: None)
+  monkeypatch.setattr(suite, "environment", lambda gpu: {})
+  monkeypatch.setattr(suite, "render", lambda *a: "page")
+  ran = []
+
+  def run_job(name, job, where, timeout=None):
+    ran.append((name, timeout))
+    time.sleep(0.3)
+    return 0.3
+
+  monkeypatch.setattr(suite, "run_job", run_job)
+  argv = ["--json-dir", str(tmp_path), "--out", str(tmp_path / "B.md")]
+  only = ["--only", "overhead-64,overhead-update,host-cost"]
+  with pytest.raises(SystemExit, match="failed: overhead-update, host-cost$"):
+    suite.main([*argv, *only, "--deadline", "0.2", "--job-timeout", "9"])
+  assert ran == [("overhead-64", 9.0)]
+  out = capsys.readouterr().out
+  assert "== host-cost: not started, past --deadline 0.2s" in out
+  for bad in ("0", "-1", "nan"):
+    with pytest.raises(SystemExit):
+      suite.main([*argv, "--deadline", bad])
+    assert "--deadline must be a positive number of seconds" in (
+      capsys.readouterr().err
+    )
+
+
+def test_every_suite_command_in_the_docs_names_jobs_that_exist():
+  # The README's command for the next GPU session is copied into a lent
+  # GPU's few minutes: a misspelled job there fails only then.
+  root = pathlib.Path(suite.__file__).resolve().parents[1]
+  known = set(suite.CPU_JOBS) | set(suite.GPU_JOBS)
+  found = 0
+  for doc in (root / "README.md", root / "benchmarks" / "page.md"):
+    for command in re.findall(
+      r"suite\.py[^`]*?--only[ =]([\w,\-]+)", doc.read_text()
+    ):
+      names = command.split(",")
+      assert set(names) <= known, (doc.name, set(names) - known)
+      found += 1
+  assert found >= 5
