@@ -16,6 +16,7 @@ installed (`pip install "jax[cuda12]"`, the same version as jax), and no GPU.
 """
 
 import importlib.metadata
+import platform
 import re
 
 import jax
@@ -54,6 +55,16 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 def name(target: str) -> str:
   """The device a target describes (its `device_description_str`)."""
   return re.search(r'device_description_str: "([^"]+)"', TARGETS[target])[1]
+
+
+def machine(target: str | None) -> str:
+  """What a compile-only run describes: `target`'s GPU, compiled here and
+  not run, or (None) this machine's first device; with the architecture."""
+  if target:
+    where = f"{name(target)} (compiled here, not run)"
+  else:
+    where = jax.devices()[0].device_kind
+  return f"{where}, {platform.machine()}"
 
 
 def plugin() -> str:

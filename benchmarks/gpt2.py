@@ -330,11 +330,6 @@ def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
       "mbytes": round(sum(b for _, b in found) / 1e6, 1),
     }
     print(f"{name}: {kernels[name]}", flush=True)
-  kind = (
-    f"{deviceless.name(args.target)} (compiled here, not run)"
-    if args.target
-    else jax.devices()[0].device_kind
-  )
   return {
     "what": "kernels per step",
     "model": model_line(cfg, sum(x.size for x in jax.tree.leaves(params))),
@@ -342,7 +337,7 @@ def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
     "batch": args.batch,
     "loss": loss_label(args),
     "kernels": kernels,
-    "device": f"{kind}, {platform.machine()}",
+    "device": deviceless.machine(args.target),
     "jax": jax.__version__,
     **({"cuda_plugin": deviceless.plugin()} if args.target else {}),
   }

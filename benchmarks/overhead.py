@@ -597,11 +597,6 @@ def _subject(args) -> str:
   return "optimizer update" if args.update_only else "train step"
 
 
-def _machine() -> str:
-  """The device a `--kernels` or `--profile` run measured on."""
-  return f"{jax.devices()[0].device_kind}, {platform.machine()}"
-
-
 def kernels_main(args, steps, params, x, y, place=None) -> dict:
   """Each step's kernels (`kernel_list` of its compiled HLO: their count by
   opcode and the bytes they move). Steps are compiled, not run, so they
@@ -628,12 +623,7 @@ def kernels_main(args, steps, params, x, y, place=None) -> dict:
     "leaves": len(jax.tree.leaves(params)),
     "batch": args.batch,
     "kernels": kernels,
-    "device": (
-      f"{deviceless.name(args.target)} (compiled here, not run),"
-      f" {platform.machine()}"
-      if args.target
-      else _machine()
-    ),
+    "device": deviceless.machine(args.target),
     "jax": jax.__version__,
     **({"cuda_plugin": deviceless.plugin()} if args.target else {}),
   }
@@ -858,7 +848,7 @@ def profile_main(args, steps, make_params, x, y) -> dict:
     "steps_per_round": args.steps_per_round,
     "profiles": profiles,
     "trace_dir": str(root),
-    "device": _machine(),
+    "device": deviceless.machine(None),
     "jax": jax.__version__,
   }
 
