@@ -42,7 +42,6 @@ import json
 import os
 import pathlib
 import platform
-import re
 import sys
 
 # The shared GPT model lives with the examples.
@@ -207,7 +206,13 @@ def table(results: dict) -> str:
   header += ["loss", "ms/step", "steps/s", "tokens/s"]
   g = runs[0]
   peak = g["peak_bf16_tflops"]
-  where = g["device"] if len(devices) == 1 else " and ".join(sorted(devices))
+  where = g["device"]
+  if len(devices) > 1:  # "NVIDIA H100 80GB HBM3 and NVIDIA H200, x86_64"
+    kinds, machine = (
+      {d.split(",")[0] for d in devices},
+      g["device"].split(",")[1:],
+    )
+    where = ",".join([" and ".join(sorted(kinds)), *machine])
   out = [
     f"{g['model']}, on {where}; "
     + (
@@ -300,20 +305,6 @@ def torch_table(results: dict) -> str:
   return "\n".join(out)
 
 
-def reduction_kernels(hlo_text: str) -> int:
-  """How many of a compiled module's fusions compute a reduction (their
-  fused computation holds a `reduce`): the finite check and the gradient
-  norm add one or two per param."""
-  bodies = re.split(r"\n(?=\S)", hlo_text)
-  reducing = {
-    m[1]
-    for body in bodies
-    if " reduce(" in body and (m := re.match(r"%?([\w.\-]+) ", body))
-  }
-  calls = re.findall(r"\sfusion\(.*?calls=%?([\w.\-]+)", hlo_text)
-  return sum(c in reducing for c in calls)
-
-
 def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
   """Each step compiled, not run: its kernels (`overhead.kernel_list`), the
   bytes they move and how many reduce; with `--target`, for that GPU.
@@ -326,7 +317,7 @@ def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
     found = overhead.kernel_list(hlo)
     kernels[name] = {
       "total": len(found),
-      "reductions": reduction_kernels(hlo),
+      "reductions": overhead.count_reductions(hlo),
       "mbytes": round(sum(b for _, b in found) / 1e6, 1),
     }
     print(f"{name}: {kernels[name]}", flush=True)
@@ -462,6 +453,8 @@ def main_torch(args, cfg: dict) -> dict:
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.target:  # the GPU compiled for is not here: look for none
+    jax.config.update("jax_platforms", "cpu")
   if args.xla_flags:  # read when the backend starts, not at import
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags

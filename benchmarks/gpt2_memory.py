@@ -4,9 +4,8 @@ One preset per process, so the device's peak belongs to that preset alone:
 
 - predicted: `jmp_train.memory.memory_table` of the train state (params,
   gradients, master weights, optimizer state), read from shapes;
-- compiled: what XLA allocates for the step, its `memory_analysis()`
-  (arguments, temporaries: activations, gradients and workspace), as
-  `memory.compiled_memory` reads it;
+- compiled: what XLA allocates for the step, `compiled_memory` (arguments,
+  temporaries: activations, gradients and workspace);
 - measured (GPU): the device's `peak_bytes_in_use` after a few steps.
 
 The model and step are `benchmarks/gpt2.py`'s (`linen.wrap`,
@@ -75,18 +74,9 @@ def main(argv=None):
   del variables
   step = train.make_train_step(loss_fn, tx)
   predicted = memory.memory_table(None, state)
-  # Compiled once and run as compiled: `memory.compiled_memory` and a first
-  # call of `step` would compile it twice (a minute of a lent GPU's time).
-  executable = step.lower(state, tokens).compile()
-  analysis = executable.memory_analysis()
-  compiled = {
-    "argument": int(analysis.argument_size_in_bytes),
-    "output": int(analysis.output_size_in_bytes),
-    "temp": int(analysis.temp_size_in_bytes),
-    "alias": int(analysis.alias_size_in_bytes),
-  }
+  compiled = memory.compiled_memory(step, state, tokens)
   for _ in range(args.steps):
-    state, metrics = executable(state, tokens)
+    state, metrics = step(state, tokens)
   jax.block_until_ready(state)
   stats = jax.devices()[0].memory_stats() or {}
   result = {

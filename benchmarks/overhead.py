@@ -414,7 +414,7 @@ def gpu_table(results: dict) -> str:
   skips = [
     abs(r["ratio_vs_plain"][n] - 1)
     for r in rows
-    if r["what"].startswith("full")
+    if r["what"].startswith("full") and r["device"] == first["device"]
     for n in ("skip-only", "tiny-cond", "select-skip")
     if n in r["ratio_vs_plain"]
   ]
@@ -424,8 +424,8 @@ def gpu_table(results: dict) -> str:
   on = f" on {first['device'].split(',')[0]}" if len(devices) > 1 else ""
   line = (
     f"The skip alone (skip-only, and tiny-cond and select-skip with"
-    f" `--study`) stays within {100 * max(skips):.1f}% of plain; ours is"
-    f" {md.ratio(q)} of plain in the full step{on}, about {extra_us:.0f} us"
+    f" `--study`) stays within {100 * max(skips):.1f}% of plain{on}; ours is"
+    f" {md.ratio(q)} of plain in the full step, about {extra_us:.0f} us"
     " per step"
   )
   if update:
@@ -539,6 +539,12 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
   kernel's bytes are its operands' sizes and
   its result's summed: what it moves if it reads each operand once, exact
   for elementwise kernels, an upper bound for those that read a slice."""
+  return [(op, moved) for op, moved, _ in _kernels(hlo_text)[0]]
+
+
+def _kernels(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
+  """`kernel_list`'s kernels as (opcode, bytes, HLO line), and the module's
+  computations by name (each a list of its lines)."""
   comps, name = {}, None
   for line in hlo_text.splitlines():
     head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
@@ -550,7 +556,7 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
     elif name is not None:
       comps[name].append(line)
 
-  def walk(comp: str) -> list[tuple[str, int]]:
+  def walk(comp: str) -> list[tuple[str, int, str]]:
     found, sizes = [], {}
     for line in comps.get(comp, []):
       m = _INSTR.match(line)
@@ -573,10 +579,22 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
           found += part
         continue
       moved = sum(sizes.get(o, 0) for o in _operands(line, op))
-      found.append((op, moved + sizes[name]))
+      found.append((op, moved + sizes[name], line))
     return found
 
-  return walk("ENTRY")
+  return walk("ENTRY"), comps
+
+
+def count_reductions(hlo_text: str) -> int:
+  """How many of `kernel_list`'s kernels reduce: a `reduce`, or a fusion
+  whose fused computation holds one."""
+  kernels, comps = _kernels(hlo_text)
+  count = 0
+  for op, _, line in kernels:
+    called = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None
+    body = comps.get(called[1], []) if called else []
+    count += op == "reduce" or any(" reduce(" in x for x in body)
+  return count
 
 
 def _by_op(kernels: list[tuple[str, int]]) -> dict[str, int]:

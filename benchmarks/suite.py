@@ -33,6 +33,7 @@ import pathlib
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
@@ -221,13 +222,41 @@ def run_job(
   cmd = [sys.executable, *argv, "--json", str(json_dir / f"{name}.json")]
   print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
   t0 = time.perf_counter()
+  # A process group of its own, so that a kill reaches the job's children
+  # too (torch.compile's workers, XLA's ptxas).
+  job = subprocess.Popen(cmd, cwd=ROOT, env=os.environ, start_new_session=True)
   try:
-    done = subprocess.run(cmd, cwd=ROOT, env=os.environ, timeout=timeout)
+    returncode = job.wait(timeout=timeout)
   except subprocess.TimeoutExpired:
+    _kill(job)
     raise RuntimeError(f"{name} timed out after {timeout:g}s") from None
-  if done.returncode:
-    raise RuntimeError(f"{name} failed (exit {done.returncode})")
+  except BaseException:  # Ctrl-C: the job no longer shares our terminal's
+    _kill(job)
+    raise
+  if returncode:
+    raise RuntimeError(f"{name} failed (exit {returncode})")
   return time.perf_counter() - t0
+
+
+def _drop_torn(path: pathlib.Path) -> None:
+  """Removes a job's JSON that a kill left half written (it would stop the
+  page from rendering); whole results stay."""
+  try:
+    json.loads(path.read_text())
+  except FileNotFoundError:
+    pass
+  except ValueError:  # JSONDecodeError, UnicodeDecodeError
+    path.unlink()
+    print(f"== {path.name}: half written when its job stopped, removed")
+
+
+def _kill(job: subprocess.Popen) -> None:
+  """Kills `job`'s process group and waits for the job."""
+  try:
+    os.killpg(job.pid, signal.SIGKILL)
+  except ProcessLookupError:  # already gone
+    pass
+  job.wait()
 
 
 def _cpu_name() -> str:
@@ -435,6 +464,7 @@ def main(argv=None):
       except RuntimeError as e:  # the other jobs still run and render
         print(f"== {e}", flush=True)
         failed.append(name)
+        _drop_torn(json_dir / f"{name}.json")
       if args.archive:
         archive(json_dir, pathlib.Path(args.archive))
   results = {

@@ -5,6 +5,7 @@ import importlib
 import inspect
 import itertools
 import json
+import os
 import pathlib
 import re
 import statistics
@@ -484,7 +485,9 @@ def test_gpt2_kernels_counts_the_finite_checks_reductions(capsys):
   )
 
 
-def test_gpt2_reduction_kernels_reads_fused_computations():
+def test_count_reductions_counts_kernels_as_kernel_list_does():
+  # Fusions whose fused computation reduces, and bare reduces, among the
+  # kernels `kernel_list` counts: of a conditional, its larger branch only.
   hlo = "\n".join(
     [
       "%fused_a (p: f32[4]) -> f32[] {",
@@ -493,14 +496,28 @@ def test_gpt2_reduction_kernels_reads_fused_computations():
       "%fused_b (p: f32[4]) -> f32[4] {",
       "  ROOT %m = f32[4] multiply(f32[4] %p, f32[4] %p)",
       "}",
-      "ENTRY %main (x: f32[4]) -> f32[] {",
+      "%small (x: f32[4]) -> f32[] {",
+      "  ROOT %s = f32[] fusion(f32[4] %x), kind=kInput, calls=%fused_a",
+      "}",
+      "%large (x: f32[4]) -> f32[] {",
+      "  %l1 = f32[4] fusion(f32[4] %x), kind=kLoop, calls=%fused_b",
+      "  ROOT %l2 = f32[] fusion(f32[4] %l1), kind=kInput, calls=%fused_a",
+      "}",
+      "ENTRY %main (x: f32[4], b: pred[]) -> f32[] {",
       "  %f1 = f32[] fusion(f32[4] %x), kind=kInput, calls=%fused_a",
       "  %f2 = f32[4] fusion(f32[4] %x), kind=kLoop, calls=%fused_b",
-      "  ROOT %f3 = f32[] fusion(f32[4] %f2), kind=kInput, calls=%fused_a",
+      "  %f3 = f32[] reduce(f32[4] %f2, f32[] %c), to_apply=%add",
+      "  ROOT %f4 = f32[] conditional(pred[] %b, f32[4] %x, f32[4] %x),"
+      " true_computation=%small, false_computation=%large",
       "}",
     ]
   )
-  assert gpt2.reduction_kernels(hlo) == 2
+  assert [op for op, _ in overhead.kernel_list(hlo)] == ["fusion"] * 2 + [
+    "reduce",
+    "fusion",
+    "fusion",
+  ]
+  assert overhead.count_reductions(hlo) == 3  # f1, f3 and the larger's l2
 
 
 def test_torch_side_by_side_verdicts_come_from_tokens_per_s():
@@ -1169,11 +1186,28 @@ def test_suite_kills_a_job_past_its_timeout_and_stops_at_the_deadline(
 ):
   # A lent GPU's session is minutes long: a job that hangs is killed and the
   # others run; past the deadline no job starts, and the run says which.
+  # The job starts a child of its own (as torch.compile's workers are) and
+  # writes its pid where the job's JSON goes: the kill reaches both.
+  sleeper = [
+    "-c",
+    "import subprocess, sys, time, pathlib;"
+    " c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    " pathlib.Path(sys.argv[2]).write_text(str(c.pid)); time.sleep(60)",
+  ]
   t0 = time.monotonic()
-  sleeper = ["-c", "import time; time.sleep(60)"]
-  with pytest.raises(RuntimeError, match="sleepy timed out after 0.5s"):
-    suite.run_job("sleepy", sleeper, tmp_path, timeout=0.5)
+  with pytest.raises(RuntimeError, match="sleepy timed out after 2s"):
+    suite.run_job("sleepy", sleeper, tmp_path, timeout=2)
   assert time.monotonic() - t0 < 30
+  grandchild = int((tmp_path / "sleepy.json").read_text())
+  for _ in range(50):  # reaped by init once its parent is gone
+    try:
+      os.kill(grandchild, 0)
+    except ProcessLookupError:
+      break
+    time.sleep(0.1)
+  else:
+    os.kill(grandchild, 9)
+    raise AssertionError("the job's child outlived the timeout")
   monkeypatch.setattr(suite, "gpu_kind", lambda: None)
   monkeypatch.setattr(suite, "environment", lambda gpu: {})
   monkeypatch.setattr(suite, "render", lambda *a: "page")
@@ -1181,23 +1215,28 @@ def test_suite_kills_a_job_past_its_timeout_and_stops_at_the_deadline(
 
   def run_job(name, job, where, timeout=None):
     ran.append((name, timeout))
-    time.sleep(0.3)
-    return 0.3
+    (where / f"{name}.json").write_text('{"rows": [1, 2')  # killed mid-write
+    time.sleep(0.7)
+    raise RuntimeError(f"{name} timed out after {timeout:g}s")
 
   monkeypatch.setattr(suite, "run_job", run_job)
   argv = ["--json-dir", str(tmp_path), "--out", str(tmp_path / "B.md")]
   only = ["--only", "overhead-64,overhead-update,host-cost"]
-  with pytest.raises(SystemExit, match="failed: overhead-update, host-cost$"):
-    suite.main([*argv, *only, "--deadline", "0.2", "--job-timeout", "9"])
+  with pytest.raises(SystemExit, match="failed: overhead-64, overhead-update,"):
+    suite.main([*argv, *only, "--deadline", "0.5", "--job-timeout", "9"])
   assert ran == [("overhead-64", 9.0)]
   out = capsys.readouterr().out
-  assert "== host-cost: not started, past --deadline 0.2s" in out
-  for bad in ("0", "-1", "nan"):
-    with pytest.raises(SystemExit):
-      suite.main([*argv, "--deadline", bad])
-    assert "--deadline must be a positive number of seconds" in (
-      capsys.readouterr().err
-    )
+  assert "== host-cost: not started, past --deadline 0.5s" in out
+  # The half-written JSON is gone, so the page still renders.
+  assert "overhead-64.json: half written when its job stopped, removed" in out
+  assert not (tmp_path / "overhead-64.json").exists()
+  for flag in ("--deadline", "--job-timeout"):
+    for bad in ("0", "-1", "nan"):
+      with pytest.raises(SystemExit):
+        suite.main([*argv, flag, bad])
+      assert f"{flag} must be a positive number of seconds" in (
+        capsys.readouterr().err
+      )
 
 
 def test_every_suite_command_in_the_docs_names_jobs_that_exist():
@@ -1210,7 +1249,34 @@ def test_every_suite_command_in_the_docs_names_jobs_that_exist():
     for command in re.findall(
       r"suite\.py[^`]*?--only[ =]([\w,\-]+)", doc.read_text()
     ):
-      names = command.split(",")
-      assert set(names) <= known, (doc.name, set(names) - known)
+      names = set(command.split(","))
+      assert names <= known, (doc.name, names - known)
+      # One machine's jobs: the suite refuses the other's on either.
+      assert names <= set(suite.CPU_JOBS) or names <= set(suite.GPU_JOBS)
       found += 1
   assert found >= 5
+
+
+def test_gpu_tables_name_each_rows_device_when_two_gpus_made_them():
+  def run(device, batch, ms):
+    rows = [
+      dict(
+        step=step, ms=ms * k, steps_per_s=1.0, tokens_per_s=int(1e6 / ms / k)
+      )
+      | dict(tflops=1.0, mfu=0.4 / k, ratio_vs_plain=k)
+      for step, k in (("hand-bf16", 1.0), ("bf16-mixed", 1.25))
+    ]
+    return dict(
+      model="GPT", device=device, peak_bf16_tflops=989.4, batch=batch, rows=rows
+    )
+
+  one = {"a": run("NVIDIA H200, x86_64", 16, 30.0)}
+  text = gpt2.table(one)
+  assert "| device |" not in text and "on NVIDIA H200, x86_64;" in text
+  two = one | {"b": run("NVIDIA H100 80GB HBM3, x86_64", 32, 70.0)}
+  text = gpt2.table(two)
+  assert "on NVIDIA H100 80GB HBM3 and NVIDIA H200, x86_64;" in text
+  assert "| bf16-mixed | NVIDIA H200 | 16 |" in text
+  assert "| hand-bf16 | NVIDIA H100 80GB HBM3 | 32 |" in text
+  # The verdict names the device of the run it was read from.
+  assert "(NVIDIA H200, batch 16, loss logits)" in text
