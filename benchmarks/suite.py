@@ -230,7 +230,9 @@ def run_job(
   except subprocess.TimeoutExpired:
     _kill(job)
     raise RuntimeError(f"{name} timed out after {timeout:g}s") from None
-  except BaseException:  # Ctrl-C: the job no longer shares our terminal's
+  except (
+    BaseException
+  ):  # Ctrl-C, SIGTERM: the job, in its own group, would live on
     _kill(job)
     raise
   if returncode:
@@ -248,6 +250,12 @@ def _drop_torn(path: pathlib.Path) -> None:
   except ValueError:  # JSONDecodeError, UnicodeDecodeError
     path.unlink()
     print(f"== {path.name}: half written when its job stopped, removed")
+
+
+def _exit_on_sigterm(signum, frame):
+  """A SIGTERM (a time limit's `timeout`) as SystemExit, so that the running
+  job, in a process group of its own, is killed with the suite."""
+  raise SystemExit(128 + signum)
 
 
 def _kill(job: subprocess.Popen) -> None:
@@ -371,6 +379,40 @@ def archive(json_dir: pathlib.Path, path: pathlib.Path) -> None:
   tmp.replace(path)
 
 
+def _run_jobs(args, todo, json_dir, gpu, start, failed) -> None:
+  """Runs `todo`'s jobs in order; appends to `failed` the names of those
+  that failed, timed out or were not started."""
+  env_name = "environment-gpu.json" if gpu else "environment.json"
+  # Written first, so a run cut short still says which machine it was.
+  (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))
+  for name, job in todo.items():
+    if args.deadline and time.monotonic() - start >= args.deadline:
+      print(
+        f"== {name}: not started, past --deadline {args.deadline:g}s",
+        flush=True,
+      )
+      failed.append(name)
+      continue
+    if name in DEVICELESS and not cuda_plugin():
+      print(
+        f"== {name}: skipped, it needs JAX's CUDA plugin"
+        ' (pip install "jax[cuda12]", the version of jax)',
+        flush=True,
+      )
+      if args.only:  # asked for by name: not done is a failure
+        failed.append(name)
+      continue
+    try:
+      seconds = run_job(name, job, json_dir, args.job_timeout)
+      print(f"== {name}: {seconds:.1f}s", flush=True)
+    except RuntimeError as e:  # the other jobs still run and render
+      print(f"== {e}", flush=True)
+      failed.append(name)
+      _drop_torn(json_dir / f"{name}.json")
+    if args.archive:
+      archive(json_dir, pathlib.Path(args.archive))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="tiny configurations")
@@ -438,35 +480,11 @@ def main(argv=None):
     todo = {n: todo[n] for n in names}
   failed = []
   if not args.render:
-    env_name = "environment-gpu.json" if gpu else "environment.json"
-    # Written first, so a run cut short still says which machine it was.
-    (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))
-    for name, job in todo.items():
-      if args.deadline and time.monotonic() - start >= args.deadline:
-        print(
-          f"== {name}: not started, past --deadline {args.deadline:g}s",
-          flush=True,
-        )
-        failed.append(name)
-        continue
-      if name in DEVICELESS and not cuda_plugin():
-        print(
-          f"== {name}: skipped, it needs JAX's CUDA plugin"
-          ' (pip install "jax[cuda12]", the version of jax)',
-          flush=True,
-        )
-        if args.only:  # asked for by name: not done is a failure
-          failed.append(name)
-        continue
-      try:
-        seconds = run_job(name, job, json_dir, args.job_timeout)
-        print(f"== {name}: {seconds:.1f}s", flush=True)
-      except RuntimeError as e:  # the other jobs still run and render
-        print(f"== {e}", flush=True)
-        failed.append(name)
-        _drop_torn(json_dir / f"{name}.json")
-      if args.archive:
-        archive(json_dir, pathlib.Path(args.archive))
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+      _run_jobs(args, todo, json_dir, gpu, start, failed)
+    finally:
+      signal.signal(signal.SIGTERM, previous)
   results = {
     path.stem: json.loads(path.read_text())
     for path in sorted(json_dir.glob("*.json"))

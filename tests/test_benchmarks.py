@@ -1181,33 +1181,58 @@ def test_memory_table_refuses_checks_that_cannot_compile():
   assert args.axes == {"data": 4, "model": 2}
 
 
+# A job that starts a child of its own (as torch.compile's workers are) and
+# writes the child's pid where the job's JSON goes, then sleeps.
+SLEEPER = [
+  "-c",
+  "import subprocess, sys, time, pathlib;"
+  " c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+  " pathlib.Path(sys.argv[2]).write_text(str(c.pid)); time.sleep(60)",
+]
+
+
+def assert_gone(pid):
+  for _ in range(50):  # reaped by init once its parent is gone
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return
+    time.sleep(0.1)
+  os.kill(pid, 9)
+  raise AssertionError("the job's child outlived the suite's kill")
+
+
+def test_suite_kills_the_running_job_when_it_is_terminated(tmp_path):
+  # A time limit's SIGTERM to the suite reaches the job and its children,
+  # which run in a process group of their own.
+  import signal
+  import threading
+
+  if threading.current_thread() is not threading.main_thread():
+    pytest.skip("signal handlers are set from the main thread only")
+  previous = signal.signal(signal.SIGTERM, suite._exit_on_sigterm)
+  timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
+  try:
+    timer.start()
+    with pytest.raises(SystemExit) as stopped:
+      suite.run_job("sleepy", SLEEPER, tmp_path)
+  finally:
+    timer.cancel()
+    signal.signal(signal.SIGTERM, previous)
+  assert stopped.value.code == 128 + signal.SIGTERM
+  assert_gone(int((tmp_path / "sleepy.json").read_text()))
+
+
 def test_suite_kills_a_job_past_its_timeout_and_stops_at_the_deadline(
   tmp_path, capsys, monkeypatch
 ):
   # A lent GPU's session is minutes long: a job that hangs is killed and the
   # others run; past the deadline no job starts, and the run says which.
-  # The job starts a child of its own (as torch.compile's workers are) and
-  # writes its pid where the job's JSON goes: the kill reaches both.
-  sleeper = [
-    "-c",
-    "import subprocess, sys, time, pathlib;"
-    " c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-    " pathlib.Path(sys.argv[2]).write_text(str(c.pid)); time.sleep(60)",
-  ]
   t0 = time.monotonic()
   with pytest.raises(RuntimeError, match="sleepy timed out after 2s"):
-    suite.run_job("sleepy", sleeper, tmp_path, timeout=2)
+    suite.run_job("sleepy", SLEEPER, tmp_path, timeout=2)
   assert time.monotonic() - t0 < 30
-  grandchild = int((tmp_path / "sleepy.json").read_text())
-  for _ in range(50):  # reaped by init once its parent is gone
-    try:
-      os.kill(grandchild, 0)
-    except ProcessLookupError:
-      break
-    time.sleep(0.1)
-  else:
-    os.kill(grandchild, 9)
-    raise AssertionError("the job's child outlived the timeout")
+  assert_gone(int((tmp_path / "sleepy.json").read_text()))
   monkeypatch.setattr(suite, "gpu_kind", lambda: None)
   monkeypatch.setattr(suite, "environment", lambda gpu: {})
   monkeypatch.setattr(suite, "render", lambda *a: "page")
@@ -1280,3 +1305,30 @@ def test_gpu_tables_name_each_rows_device_when_two_gpus_made_them():
   assert "| hand-bf16 | NVIDIA H100 80GB HBM3 | 32 |" in text
   # The verdict names the device of the run it was read from.
   assert "(NVIDIA H200, batch 16, loss logits)" in text
+
+
+def test_gpu_overhead_sentence_reads_one_devices_rows():
+  def run(device, skip, study=False):
+    names = ["plain", "skip-only", "ours", "jmp-style"]
+    ratios = dict(zip(names, (1.0, skip, 1.06, 1.02), strict=True))
+    if study:
+      ratios |= {"tiny-cond": 1.05, "select-skip": 1.004}
+    return dict(
+      what="full train step",
+      batch=16384,
+      rounds=100,
+      device=device,
+      median_ms={n: 4.0 * q for n, q in ratios.items()},
+      ratio_vs_plain=ratios,
+    )
+
+  h200 = run("NVIDIA H200, x86_64", 1.004)
+  alone = overhead.gpu_table({"a": h200})
+  assert "The skip alone (skip-only) stays within 0.4% of plain" in alone
+  both = overhead.gpu_table(
+    {"a": h200, "b": run("NVIDIA H100, x86_64", 1.007, True)}
+  )
+  # The H100's --study rows (tiny-cond 5% over plain) are another machine's.
+  assert "On NVIDIA H200, the skip alone (skip-only) stays within 0.4%" in both
+  assert "| full step, batch 16384, NVIDIA H100 (`--study`) |" in both
+  assert "1.060x waiting after every step on NVIDIA H200" in both
