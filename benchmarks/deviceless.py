@@ -67,6 +67,16 @@ def machine(target: str | None) -> str:
   return f"{where}, {platform.machine()}"
 
 
+def provenance(target: str | None) -> dict:
+  """What a compile-only result records of where it was made: `machine`,
+  jax's version and, with a target, the CUDA plugin's."""
+  return {
+    "device": machine(target),
+    "jax": jax.__version__,
+    **({"cuda_plugin": plugin()} if target else {}),
+  }
+
+
 def plugin() -> str:
   """The installed CUDA plugin and its version, for the record."""
   try:

@@ -306,20 +306,15 @@ def torch_table(results: dict) -> str:
 
 
 def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
-  """Each step compiled, not run: its kernels (`overhead.kernel_list`), the
-  bytes they move and how many reduce; with `--target`, for that GPU.
+  """Each step compiled, not run: its kernels (`overhead.kernel_summary`),
+  the bytes they move and how many reduce; with `--target`, for that GPU.
   `params` is the model's float32 params tree."""
   topo = deviceless.topology(args.target) if args.target else None
   place = (lambda t: deviceless.abstract(t, topo)) if topo else (lambda t: t)
   kernels = {}
   for name, (step, state) in steps.items():
     hlo = step.lower(place(state), place(tokens)).compile().as_text()
-    found = overhead.kernel_list(hlo)
-    kernels[name] = {
-      "total": len(found),
-      "reductions": overhead.count_reductions(hlo),
-      "mbytes": round(sum(b for _, b in found) / 1e6, 1),
-    }
+    kernels[name] = overhead.kernel_summary(hlo)
     print(f"{name}: {kernels[name]}", flush=True)
   return {
     "what": "kernels per step",
@@ -328,9 +323,7 @@ def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
     "batch": args.batch,
     "loss": loss_label(args),
     "kernels": kernels,
-    "device": deviceless.machine(args.target),
-    "jax": jax.__version__,
-    **({"cuda_plugin": deviceless.plugin()} if args.target else {}),
+    **deviceless.provenance(args.target),
   }
 
 

@@ -595,7 +595,10 @@ def _kernels(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
 def count_reductions(hlo_text: str) -> int:
   """How many of `kernel_list`'s kernels reduce: a `reduce`, or a fusion
   whose fused computation holds one."""
-  kernels, comps = _kernels(hlo_text)
+  return _reductions(*_kernels(hlo_text))
+
+
+def _reductions(kernels: list[tuple[str, int, str]], comps: dict) -> int:
   count = 0
   for op, _, line in kernels:
     called = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None
@@ -610,6 +613,22 @@ def _by_op(kernels: list[tuple[str, int]]) -> dict[str, int]:
   for op, _ in kernels:
     total[op] = total.get(op, 0) + 1
   return total
+
+
+def kernel_summary(hlo_text: str) -> dict:
+  """A compiled module's kernels (`kernel_list`): how many, by opcode, the
+  MB they move, how many reduce (`count_reductions`), and how many
+  conditionals the module still branches on (XLA's conditional simplifier
+  may turn a skip's `lax.cond` into selects)."""
+  kernels, comps = _kernels(hlo_text)
+  found = [(op, moved) for op, moved, _ in kernels]
+  return {
+    "total": len(found),
+    "by_op": _by_op(found),
+    "mbytes": round(sum(b for _, b in found) / 1e6, 1),
+    "reductions": _reductions(kernels, comps),
+    "conditionals": len(re.findall(r"\sconditional\(", hlo_text)),
+  }
 
 
 def count_kernels(hlo_text: str) -> dict[str, int]:
@@ -631,26 +650,15 @@ def kernels_main(args, steps, params, x, y, place=None) -> dict:
   for name, (init, step) in steps.items():
     state = place(jax.eval_shape(init, params)) if place else init(params)
     hlo = step.lower(params, state, x, y).compile().as_text()
-    found = kernel_list(hlo)
-    by_op = _by_op(found)
-    kernels[name] = {
-      "total": len(found),
-      "by_op": by_op,
-      "mbytes": round(sum(b for _, b in found) / 1e6, 1),
-      # A skip's lax.cond may be compiled to selects (XLA's conditional
-      # simplifier): how many the compiled step still branches on.
-      "conditionals": len(re.findall(r"\sconditional\(", hlo)),
-    }
-    print(f"{name}: {len(found)} kernels {by_op}")
+    kernels[name] = kernel_summary(hlo)
+    print(f"{name}: {kernels[name]['total']} kernels {kernels[name]['by_op']}")
   return {
     "what": f"kernels per {_subject(args)}",
     "param_dtype": jnp.dtype(jax.tree.leaves(params)[0].dtype).name,
     "leaves": len(jax.tree.leaves(params)),
     "batch": args.batch,
     "kernels": kernels,
-    "device": deviceless.machine(args.target),
-    "jax": jax.__version__,
-    **({"cuda_plugin": deviceless.plugin()} if args.target else {}),
+    **deviceless.provenance(args.target),
   }
 
 
@@ -873,8 +881,7 @@ def profile_main(args, steps, make_params, x, y) -> dict:
     "steps_per_round": args.steps_per_round,
     "profiles": profiles,
     "trace_dir": str(root),
-    "device": deviceless.machine(None),
-    "jax": jax.__version__,
+    **deviceless.provenance(None),
   }
 
 
