@@ -102,6 +102,12 @@ def parse_args(argv=None):
     help="added to XLA_FLAGS before JAX starts its backend (recorded in the"
     " results, shown beside the run's rows)",
   )
+  p.add_argument(
+    "--tag",
+    default="",
+    help="a few words shown beside the run's rows (e.g. what code it timed),"
+    " to tell it from another run of the same batch, loss and flags",
+  )
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
   p.add_argument(
     "--torch",
@@ -166,9 +172,10 @@ def _ours(results: dict) -> list[dict]:
 
 
 def _run_label(r: dict) -> str:
-  """How a run computed its loss, and the XLA flags it set."""
-  flags = r.get("xla_flags")
-  return r.get("loss", "logits") + (f"; XLA_FLAGS {flags}" if flags else "")
+  """How a run computed its loss, the XLA flags it set, and its tag."""
+  flags, tag = r.get("xla_flags"), r.get("tag")
+  label = r.get("loss", "logits") + (f"; XLA_FLAGS {flags}" if flags else "")
+  return label + (f"; {tag}" if tag else "")
 
 
 def _best(runs: list[dict], step: str):
@@ -580,6 +587,7 @@ def main(argv=None):
     "rows": timed_rows(seconds, cfg, args.batch, n_flops, peak),
     "loss": loss_label(args),
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    **({"tag": args.tag} if args.tag else {}),
     "ratios_vs": names[0],
     "jax": jax.__version__,
   }

@@ -92,6 +92,10 @@ CUDA_PLUGINS = ("jax_cuda12_plugin",)
 GPU_JOBS = {
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
+  # bf16-mixed and fp16-mixed as the H200 ran them on 2026-11-26, on the code
+  # that sums the finite check's gradients in a few concatenations.
+  "gpt2-check": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
+  " --rounds 3 --tag 'grouped finite check'",
   "gpt2-fused": "gpt2.py --loss fused --no-plain --autocast ''"
   " --presets bf16-mixed,fp16-mixed",
   # cuDNN's LayerNorm kernels in place of XLA's fusions (item 2's passes).

@@ -1305,6 +1305,13 @@ def test_gpu_tables_name_each_rows_device_when_two_gpus_made_them():
   assert "| hand-bf16 | NVIDIA H100 80GB HBM3 | 32 |" in text
   # The verdict names the device of the run it was read from.
   assert "(NVIDIA H200, batch 16, loss logits)" in text
+  # Two runs of one batch, loss and flags on one device (code before and
+  # after a change): the tag tells their rows apart.
+  later = run("NVIDIA H200, x86_64", 16, 29.0) | {"tag": "grouped check"}
+  text = gpt2.table(one | {"c": later})
+  assert text.count("| bf16-mixed | 16 | logits |") == 1
+  assert text.count("| bf16-mixed | 16 | logits; grouped check |") == 1
+  assert gpt2.parse_args(["--tag", "grouped check"]).tag == "grouped check"
 
 
 def test_gpu_overhead_sentence_reads_one_devices_rows():

@@ -1,5 +1,10 @@
 """mixed_precision against plain optax runs, NumPy references and the rules."""
 
+import json
+import subprocess
+import sys
+
+import _child_env
 import chex
 import jax
 import jax.numpy as jnp
@@ -1051,3 +1056,181 @@ def test_complex_params_train_like_plain_optax_and_skip_bit_identically():
   assert params["z"].dtype == jnp.complex64
   moved = jnp.abs(params["z"] - jnp.asarray(z, jnp.complex64))
   assert float(moved.max()) > 0.05
+
+
+# The norm and finite check are computed one of two ways (transform.py,
+# `_sq_norm_and_finite`): leaf by leaf where a leaf may be split over devices
+# by GSPMD (plain jit with 8 devices: nothing is known while tracing) or the
+# tree has few leaves, or in a few concatenations where every device holds
+# whole leaves (inside shard_map; replicated on an Explicit mesh; with one
+# device). Both must give the float64 norm and catch one bad entry in any
+# kind of leaf.
+def _every_kind_of_leaf():
+  rng = np.random.default_rng(11)
+
+  def normal(shape, dtype=np.float32):
+    return np.asarray(rng.standard_normal(shape), dtype)
+
+  return {
+    "small": normal((5,)),
+    "scalar": normal(()),
+    "empty": normal((0, 4)),
+    "bf16": normal((7, 3)).astype(jnp.bfloat16),
+    "rows": normal((256, 300)),  # summed per row, then with the others
+    "tall": normal((70000, 1)),  # rows too short: summed whole
+    "long": normal((70000,)),  # a large vector: summed whole
+    "cplx": (normal((4,)) + 1j * normal((4,))).astype(np.complex64),
+    "count": np.arange(3, dtype=np.int32),  # no gradient: masked
+    # Enough leaves to be grouped (transform._MIN_GROUPED).
+    **{f"bias{i}": normal((i + 1,)) for i in range(10)},
+  }
+
+
+def _norm_contexts():
+  """tx.update run where leaves are not known whole, and where they are:
+  (wrap the update, place its arguments, leaves grouped)."""
+  devices = np.asarray(jax.devices())
+  auto = jax.sharding.Mesh(devices, ("d",))
+  explicit = jax.sharding.Mesh(
+    devices, ("d",), axis_types=(jax.sharding.AxisType.Explicit,)
+  )
+
+  def in_shard_map(update):
+    return jax.jit(
+      jax.shard_map(update, mesh=auto, in_specs=P(), out_specs=P())
+    )
+
+  def nowhere(*args):
+    return args
+
+  def replicated(*args):
+    return jax.device_put(args, NamedSharding(explicit, P()))
+
+  return {
+    "jit": (jax.jit, nowhere, False),
+    "shard_map": (in_shard_map, nowhere, True),
+    "explicit": (jax.jit, replicated, True),
+  }
+
+
+@pytest.mark.parametrize("context", ["jit", "shard_map", "explicit"])
+def test_norm_and_finite_check_on_every_kind_of_leaf_both_ways(context):
+  wrap, place, grouped = _norm_contexts()[context]
+  params = jax.tree.map(jnp.asarray, _every_kind_of_leaf())
+  tx = jmp_train.mixed_precision(
+    optax.sgd(0.0), loss_scale=jmp_train.StaticLossScale(8.0)
+  )
+  state = tx.init(params)
+  scaled = jax.tree.map(
+    lambda g: g * 8 if jnp.issubdtype(g.dtype, jnp.inexact) else g, params
+  )
+  update = wrap(lambda g, s, p: tx.update(g, s, p)[1])
+  jaxpr = str(jax.make_jaxpr(update)(*place(scaled, state, params)))
+  assert ("optimization_barrier" in jaxpr) == grouped
+
+  def want(grads):  # float64, of the unscaled grads
+    return np.sqrt(
+      sum(
+        np.sum(np.abs(np.asarray(g, np.complex128) / 8) ** 2)
+        for g in jax.tree.leaves(grads)
+        if jnp.issubdtype(g.dtype, jnp.inexact)
+      )
+    )
+
+  new = update(*place(scaled, state, params))
+  assert bool(new.last_step_finite)
+  np.testing.assert_allclose(float(new.grad_norm), want(scaled), rtol=1e-6)
+  for name, g in scaled.items():
+    if g.size == 0 or not jnp.issubdtype(g.dtype, jnp.inexact):
+      continue
+    for bad in (np.nan, np.inf):
+      flat = np.asarray(g).ravel().copy()
+      flat[-1] = bad
+      grads = {**scaled, name: jnp.asarray(flat.reshape(g.shape), g.dtype)}
+      new = update(*place(grads, state, params))
+      assert not bool(new.last_step_finite), (name, bad)
+      assert np.isnan(float(new.grad_norm)), (name, bad)
+
+
+_ONE_DEVICE_CHILD = """
+import json, jax, jax.numpy as jnp, numpy as np, optax, jmp_train
+rng = np.random.default_rng(5)
+grads = {f"g{i}": jnp.asarray(rng.standard_normal((i + 1, 90)), jnp.float32)
+         for i in range(20)}
+tx = jmp_train.mixed_precision(optax.sgd(0.1))
+update = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])
+state = tx.init(grads)
+bad = dict(grads, g7=grads["g7"].at[3, 4].set(jnp.inf))
+print(json.dumps({
+  "devices": jax.device_count(),
+  "grouped": "optimization_barrier" in str(jax.make_jaxpr(update)(
+    grads, state, grads)),
+  "norm": float(update(grads, state, grads).grad_norm),
+  "want": float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2)
+                            for g in grads.values()))),
+  "bad_finite": bool(update(bad, state, grads).last_step_finite),
+}))
+"""
+
+
+def test_one_device_groups_the_leaves_of_plain_jit():
+  # With one device nothing can be split: a plain jit's 20 leaves are
+  # grouped (a fresh process: this session has 8 devices).
+  out = subprocess.run(
+    [sys.executable, "-c", _ONE_DEVICE_CHILD],
+    env=_child_env.child_env(),
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got["devices"] == 1 and got["grouped"]
+  np.testing.assert_allclose(got["norm"], got["want"], rtol=1e-6)
+  assert not got["bad_finite"]
+
+
+def test_a_tree_of_few_leaves_is_summed_leaf_by_leaf_everywhere():
+  # Grouping needs 16 leaves: with fewer, XLA:GPU's step had more kernels.
+  wrap, place, _ = _norm_contexts()["shard_map"]
+  tx = jmp_train.mixed_precision(optax.sgd(0.1))
+
+  def jaxpr(n):
+    params = {f"w{i}": jnp.ones((4, 3)) for i in range(n)}
+    update = wrap(lambda g, s, p: tx.update(g, s, p)[1])
+    args = place(params, tx.init(params), params)
+    return str(jax.make_jaxpr(update)(*args))
+
+  assert "optimization_barrier" not in jaxpr(15)
+  assert "optimization_barrier" in jaxpr(16)
+
+
+def test_leaves_gspmd_may_split_are_not_gathered_for_the_norm():
+  # Concatenating leaves that GSPMD shards would all-gather them: such
+  # leaves (sharded on an Auto mesh, or typed as sharded on an Explicit
+  # one) are summed where they lie, and only the scalar sums all-reduced.
+  devices = np.asarray(jax.devices())
+  params = {  # enough leaves to be grouped if they were known whole
+    **{f"w{i}": jnp.ones((64, 128)) for i in range(4)},
+    **{f"v{i}": jnp.ones((64, 1200)) for i in range(4)},
+    **{f"b{i}": jnp.ones(128) for i in range(8)},
+  }
+  tx = jmp_train.mixed_precision(optax.adam(1e-3))
+  for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+    mesh = jax.sharding.Mesh(devices, ("d",), axis_types=(kind,))
+    split = NamedSharding(mesh, P("d"))
+    placed = {k: jax.device_put(x, split) for k, x in params.items()}
+    with jax.set_mesh(mesh):
+      state = jax.jit(tx.init)(placed)
+      text = (
+        jax.jit(lambda g, s, p: tx.update(g, s, p))
+        .lower(placed, state, placed)
+        .compile()
+        .as_text()
+      )
+    found = jmp_train.memory.summarize_collectives(
+      jmp_train.memory.collective_stats(text, len(devices))
+    )
+    assert "all-gather" not in found, (kind, found)
+    # Each device summed its rows: the sums meet in all-reduces of scalars.
+    assert found["all-reduce"]["max_elements"] == 1, (kind, found)
