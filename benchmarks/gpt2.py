@@ -352,11 +352,12 @@ def kernels_table(results: dict) -> str:
         f"{v['reductions'] - base['reductions']:+d}",
         f"{v['mbytes']:,.0f}",
         md.ratio(v["mbytes"] / base["mbytes"]),
+        v.get("conditionals", "n/a"),
       ]
       for name, v in k.items()
     ]
     header = ["step", "kernels", "vs hand-bf16", "reductions", "vs hand-bf16"]
-    header += ["MB moved", "vs hand-bf16"]
+    header += ["MB moved", "vs hand-bf16", "conditionals"]
     out += [
       f"{r['model']} ({r['leaves']} param leaves), batch {r['batch']}, loss"
       f" {r['loss']}; {r['device']}, jax {r['jax']}"

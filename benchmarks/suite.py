@@ -62,7 +62,7 @@ CPU_JOBS = {
   "overhead-kernels-h100-update": "overhead.py --kernels --target h100"
   " --update-only",
   "gpt2-kernels-h100": "gpt2.py --kernels --target h100"
-  " --presets bf16-mixed,fp16-mixed",
+  " --presets bf16-mixed,fp16-mixed,bf16-lean,bf16-sr-lean",
   "host-cost": "host_cost.py",
   "host-cost-deep": "host_cost.py --layers 74 --steps-per-round 30 --rounds 40",
   "zero1": "zero1.py",

@@ -808,10 +808,19 @@ def test_nan_keeps_its_own_value_nan_and_the_others_their_precision():
     np.testing.assert_allclose(y[[0, 2, 3]], [1.0, -2.0, 0.5], rtol=2**-3)
 
 
-def test_a_leaf_the_update_leaves_unchanged_keeps_its_stored_bits():
+@pytest.mark.parametrize(
+  "formats",
+  [
+    {"mu": FP8(group_size=2, expand_range=True), "nu": FP8()},
+    # Stored back without a check (state_storage.compress_state): a
+    # bfloat16 value rounds to itself, stochastically too.
+    {"mu": BFloat16(), "nu": BFloat16("stochastic", seed=2)},
+  ],
+  ids=["fp8", "bfloat16"],
+)
+def test_a_leaf_the_update_leaves_unchanged_keeps_its_stored_bits(formats):
   # MultiSteps' mini-steps do not change Adam's moments; storing their
   # expansion again would move an FP8 scale or exponent by an ulp.
-  formats = {"mu": FP8(group_size=2, expand_range=True), "nu": FP8()}
   tx = jmp_train.mixed_precision(
     optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
     state_formats=formats,

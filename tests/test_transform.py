@@ -1059,7 +1059,7 @@ def test_complex_params_train_like_plain_optax_and_skip_bit_identically():
 
 
 # The norm and finite check are computed one of two ways (transform.py,
-# `_sq_norm_and_finite`): leaf by leaf where a leaf may be split over devices
+# `finite_check.py`): leaf by leaf where a leaf may be split over devices
 # by GSPMD (plain jit with 8 devices: nothing is known while tracing) or the
 # tree has few leaves, or in a few concatenations where every device holds
 # whole leaves (inside shard_map; replicated on an Explicit mesh; with one
@@ -1081,7 +1081,7 @@ def _every_kind_of_leaf():
     "long": normal((70000,)),  # a large vector: summed whole
     "cplx": (normal((4,)) + 1j * normal((4,))).astype(np.complex64),
     "count": np.arange(3, dtype=np.int32),  # no gradient: masked
-    # Enough leaves to be grouped (transform._MIN_GROUPED).
+    # Enough leaves to be grouped (finite_check.MIN_GROUPED).
     **{f"bias{i}": normal((i + 1,)) for i in range(10)},
   }
 
@@ -1153,10 +1153,17 @@ def test_norm_and_finite_check_on_every_kind_of_leaf_both_ways(context):
 
 
 _ONE_DEVICE_CHILD = """
-import json, jax, jax.numpy as jnp, numpy as np, optax, jmp_train
+import json, jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp, numpy as np, optax, jmp_train
 rng = np.random.default_rng(5)
 grads = {f"g{i}": jnp.asarray(rng.standard_normal((i + 1, 90)), jnp.float32)
          for i in range(20)}
+# float64 leaves whose float32 squares would flush to zero: summed in
+# float64, then rounded.
+grads["tiny"] = jnp.full((6000,), 1e-20, jnp.float64)
+grads["tiny_rows"] = jnp.full((100, 600), 1e-20, jnp.float64)
 tx = jmp_train.mixed_precision(optax.sgd(0.1))
 update = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])
 state = tx.init(grads)
@@ -1168,30 +1175,35 @@ print(json.dumps({
   "norm": float(update(grads, state, grads).grad_norm),
   "want": float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2)
                             for g in grads.values()))),
+  "tiny": float(update({k: grads[k] * (k.startswith("tiny")) for k in grads},
+                       state, grads).grad_norm),
+  "tiny_want": float(np.sqrt(66000 * 1e-40)),
   "bad_finite": bool(update(bad, state, grads).last_step_finite),
 }))
 """
 
 
 def test_one_device_groups_the_leaves_of_plain_jit():
-  # With one device nothing can be split: a plain jit's 20 leaves are
-  # grouped (a fresh process: this session has 8 devices).
+  # With one device nothing can be split: a plain jit's 22 leaves are
+  # grouped (a fresh process: this session has 8 devices), float64 ones
+  # summed in float64.
   out = subprocess.run(
     [sys.executable, "-c", _ONE_DEVICE_CHILD],
     env=_child_env.child_env(),
-    check=True,
     capture_output=True,
     text=True,
     timeout=120,
   )
+  assert out.returncode == 0, out.stderr[-3000:]
   got = json.loads(out.stdout.strip().splitlines()[-1])
   assert got["devices"] == 1 and got["grouped"]
   np.testing.assert_allclose(got["norm"], got["want"], rtol=1e-6)
+  np.testing.assert_allclose(got["tiny"], got["tiny_want"], rtol=1e-6)
   assert not got["bad_finite"]
 
 
 def test_a_tree_of_few_leaves_is_summed_leaf_by_leaf_everywhere():
-  # Grouping needs 16 leaves: with fewer, XLA:GPU's step had more kernels.
+  # Grouping needs 14 leaves: with fewer, XLA:GPU's step had more kernels.
   wrap, place, _ = _norm_contexts()["shard_map"]
   tx = jmp_train.mixed_precision(optax.sgd(0.1))
 
@@ -1201,8 +1213,8 @@ def test_a_tree_of_few_leaves_is_summed_leaf_by_leaf_everywhere():
     args = place(params, tx.init(params), params)
     return str(jax.make_jaxpr(update)(*args))
 
-  assert "optimization_barrier" not in jaxpr(15)
-  assert "optimization_barrier" in jaxpr(16)
+  assert "optimization_barrier" not in jaxpr(13)
+  assert "optimization_barrier" in jaxpr(14)
 
 
 def test_leaves_gspmd_may_split_are_not_gathered_for_the_norm():
@@ -1234,3 +1246,93 @@ def test_leaves_gspmd_may_split_are_not_gathered_for_the_norm():
     assert "all-gather" not in found, (kind, found)
     # Each device summed its rows: the sums meet in all-reduces of scalars.
     assert found["all-reduce"]["max_elements"] == 1, (kind, found)
+
+
+def test_a_skipped_step_keeps_explicitly_sharded_params_and_layouts():
+  # On an Explicit mesh a layout is part of an array's type: the skip's
+  # -0.0 updates must carry each param's, or the conditional's branches
+  # differ in type (it failed to trace until 2026-11-26).
+  devices = np.asarray(jax.devices())
+  mesh = jax.sharding.Mesh(
+    devices, ("d",), axis_types=(jax.sharding.AxisType.Explicit,)
+  )
+  split, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+  params = {
+    "w": jax.device_put(
+      jnp.arange(64.0).reshape(16, 4).astype(jnp.bfloat16), split
+    ),
+    "c": jax.device_put(jnp.ones(8, jnp.complex64) * -0.0, split),
+    "b": jax.device_put(jnp.array([1.0, -0.0, 3.0]), whole),
+    "i": jax.device_put(jnp.arange(8), split),
+  }
+  tx = jmp_train.mixed_precision(optax.adam(1e-1))
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(params)
+
+    @jax.jit
+    def step(g, s, p):
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s, updates
+
+    grads = jax.tree.map(jnp.ones_like, params)
+    for g, finite in (
+      (dict(grads, b=grads["b"].at[0].set(jnp.nan)), False),
+      (grads, True),
+    ):
+      new, new_state, updates = step(g, state, params)
+      assert bool(new_state.last_step_finite) == finite
+      for k in params:
+        assert jax.typeof(new[k]) == jax.typeof(params[k]), k
+        assert jax.typeof(updates[k]).sharding == jax.typeof(params[k]).sharding
+        unchanged = np.array_equal(
+          np.asarray(new[k]).view(np.uint8),
+          np.asarray(params[k]).view(np.uint8),
+        )
+        assert unchanged == (not finite or k == "i"), k
+
+
+def test_stochastic_rounding_draws_before_the_skip_from_the_documented_key():
+  # XLA:GPU keeps a conditional whose branch draws random numbers (a host
+  # branch, a copy of every output): the bits are drawn before the skip.
+  # They are still those of leaf i's key, `leaf_key(seed, stream, steps,
+  # i)`, so a resumed run draws the same.
+  from jmp_train._src import rounding
+
+  rng = np.random.default_rng(8)
+  params = {
+    "a": jnp.asarray(1 + rng.random(300) / 64, jnp.bfloat16),
+    "b": jnp.asarray(rng.standard_normal((20, 30)), jnp.bfloat16),
+  }
+  grads = jax.tree.map(lambda p: (p * 2.0**-11).astype(p.dtype), params)
+  bf16 = jmp_train.state_format.BFloat16
+  formats = {"mu": bf16(), "nu": bf16("stochastic", seed=4)}
+  tx = jmp_train.mixed_precision(
+    optax.adam(1e-3),
+    param_update=jmp_train.StochasticRounding(seed=9),
+    state_formats=formats,
+  )
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  _, state = update(grads, state, params)  # steps = 1 from here
+  jaxpr = jax.make_jaxpr(tx.update)(grads, state, params).jaxpr
+  (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+  branches = " ".join(str(b) for b in cond.params["branches"])
+  assert "random_bits" in str(jaxpr) and "random_bits" not in branches
+
+  sgd = jmp_train.mixed_precision(
+    optax.sgd(1.0), param_update=jmp_train.StochasticRounding(seed=9)
+  )
+  sgd_state = sgd.init(params)
+  _, sgd_state = jax.jit(sgd.update)(grads, sgd_state, params)
+  updates, _ = jax.jit(sgd.update)(grads, sgd_state, params)
+  new = optax.apply_updates(params, updates)
+  for index, name in enumerate(sorted(params)):  # the tree's leaf order
+    key = rounding.leaf_key(9, rounding.PARAM_STREAM, 1, index)
+    wide = params[name].astype(jnp.float32)
+    want = jmp_train.cast_stochastic(
+      wide - grads[name].astype(jnp.float32), jnp.bfloat16, key
+    )
+    np.testing.assert_array_equal(
+      np.asarray(new[name]).view(np.uint16), np.asarray(want).view(np.uint16)
+    )
+    assert not np.array_equal(new[name], params[name])  # it moved

@@ -322,20 +322,37 @@ def rebuilt(kept: Any, param: Any) -> Any:
   return jnp.zeros(kept.shape, kept.dtype)
 
 
-def leaf_keys(rule: ParamUpdate, params: Any, steps: jax.Array) -> Any:
-  """One PRNG key per param leaf for stochastic rounding, else None each.
+def leaf_noise(
+  rule: ParamUpdate, params: Any, kept: Any, steps: jax.Array
+) -> Any:
+  """The random values each param leaf's stochastic rounding takes at
+  update `steps` (`rounding.draw`), else None each: for a float param stored
+  below float32 that keeps nothing beside it (`kept`, as in `apply`), under
+  `StochasticRounding`.
 
-  The key of a leaf is a function of the seed, the step number and the
-  leaf's position only, so a resumed run draws the same bits.
+  A leaf's values are a function of the seed, the update's index and the
+  leaf's position only (its index among the params' leaves), so a resumed
+  run draws the same bits. They are drawn apart from `apply`, so that
+  `mixed_precision` draws them before its skip's conditional: XLA:GPU turns
+  a conditional without random number generation into selects, and keeps
+  one with it (a branch on the host and a copy of every output).
   """
-  flat, treedef = jax.tree.flatten(params)
   if not isinstance(rule, StochasticRounding):
-    return jax.tree.unflatten(treedef, [None] * len(flat))
-  keys = [
-    rounding.leaf_key(rule.seed, rounding.PARAM_STREAM, steps, i)
-    for i in range(len(flat))
-  ]
-  return jax.tree.unflatten(treedef, keys)
+    return jax.tree.map(lambda p: None, params, is_leaf=fp8_param.is_fp8_param)
+  position = 0
+
+  def draw(param, kept):
+    nonlocal position
+    index = position
+    position += len(jax.tree.leaves(param))  # an Fp8Param has several
+    if fp8_param.is_fp8_param(param) or not needs_master(param):
+      return None
+    if not keeps_nothing(kept):
+      return None
+    key = rounding.leaf_key(rule.seed, rounding.PARAM_STREAM, steps, index)
+    return rounding.draw_for_one(key, param.shape, jnp.float32, param.dtype)
+
+  return jax.tree.map(draw, params, kept, is_leaf=fp8_param.is_fp8_param)
 
 
 class LeafUpdate(NamedTuple):
@@ -346,7 +363,7 @@ class LeafUpdate(NamedTuple):
 
 
 def apply(
-  rule: ParamUpdate, param: Any, kept: Any, update: Any, key: Any
+  rule: ParamUpdate, param: Any, kept: Any, update: Any, noise: Any
 ) -> LeafUpdate:
   """The update to emit for one param leaf, and what the state keeps after.
 
@@ -358,7 +375,8 @@ def apply(
   dtype makes a Kahan step; nothing makes the param take `param + update`,
   rounded as `rule` says. Integer and boolean params get zeros. An
   `Fp8Param` is cast again from its new master (`fp8_param.cast_param`); its
-  update is the exact difference of bits and exponents.
+  update is the exact difference of bits and exponents. `noise` is the
+  leaf's from `leaf_noise` (None where it does not round stochastically).
   """
   if fp8_param.is_fp8_param(param):
     master = (kept + update).astype(jnp.float32)
@@ -370,7 +388,7 @@ def apply(
   if keeps_nothing(kept):
     if isinstance(rule, StochasticRounding) and needs_master(param):
       wide = param.astype(jnp.float32)
-      new = rounding.cast_stochastic(wide + update, param.dtype, key)
+      new = rounding.round_leaf(wide + update, param.dtype, noise)
       return LeafUpdate(new.astype(jnp.float32) - wide, kept)
     return LeafUpdate(update.astype(leaves.full_dtype(param.dtype)), kept)
   if kept.dtype == jnp.int16:

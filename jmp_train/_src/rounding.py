@@ -23,19 +23,20 @@ _TARGETS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _WIDE = (np.dtype(jnp.float32), np.dtype(jnp.float64))
 
 
-def _round_to_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
+def _round_to_bfloat16(x: jax.Array, noise: jax.Array) -> jax.Array:
   """float32 `x` rounded stochastically to bfloat16, on its bits.
 
   bfloat16 is the top half of a float32, and within a binade a float32's
-  bits grow linearly with its magnitude: adding 16 uniform random bits to
-  the low half and cutting it off rounds the magnitude up with probability
-  `low half / 2**16 = (|x| - |lo|) / (|hi| - |lo|)`, the rule. One add and
-  one mask per value (torchao's trick), instead of finding both neighbours.
+  bits grow linearly with its magnitude: adding 16 uniform random bits
+  (`noise`) to the low half and cutting it off rounds the magnitude up with
+  probability `low half / 2**16 = (|x| - |lo|) / (|hi| - |lo|)`, the rule.
+  One add and one mask per value (torchao's trick), instead of finding both
+  neighbours.
   """
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
   mask = jnp.uint32(0xFFFF0000)
-  up = jax.lax.bitcast_convert_type((bits + noise) & mask, jnp.float32)
+  up = (bits + noise.astype(jnp.uint32)) & mask
+  up = jax.lax.bitcast_convert_type(up, jnp.float32)
   # inf/NaN (whose payload the add could change), values beyond bfloat16's
   # largest finite value (whose upper neighbour is inf), and float32
   # subnormals (which CPU and GPU arithmetic flushes to zero) round to
@@ -45,9 +46,31 @@ def _round_to_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
   return jnp.where(plain, x.astype(jnp.bfloat16), up.astype(jnp.bfloat16))
 
 
-def _round_leaf(x: jax.Array, dtype: np.dtype, key: jax.Array) -> jax.Array:
+def draw(key: jax.Array, shape: tuple, wide: Any, dtype: Any) -> jax.Array:
+  """The random values that round an array of `shape` from `wide` to
+  `dtype` (`round_leaf`'s `noise`): 16 random bits a value from float32 to
+  bfloat16, else a uniform [0, 1) in `wide`.
+
+  Drawn apart from the rounding, they can be drawn outside a conditional
+  that rounds (`mixed_precision`'s skip): XLA:GPU keeps a conditional whose
+  branch draws random numbers, and turns one without into selects.
+  """
+  if np.dtype(wide) == jnp.float32 and np.dtype(dtype) == jnp.bfloat16:
+    return jax.random.bits(key, shape, jnp.uint16)
+  return jax.random.uniform(key, shape, wide)
+
+
+def draw_for_one(key: jax.Array, shape: tuple, wide: Any, dtype: Any):
+  """What `cast_stochastic(x, dtype, key)` draws for one array `x` of
+  `shape` and dtype `wide` (it splits `key` once per leaf)."""
+  return draw(jax.random.split(key, 1)[0], shape, wide, dtype)
+
+
+def round_leaf(x: jax.Array, dtype: Any, noise: jax.Array) -> jax.Array:
+  """float32/float64 `x` rounded stochastically to `dtype` with `noise`
+  (`draw(key, x.shape, x.dtype, dtype)`)."""
   if x.dtype == jnp.float32 and dtype == jnp.bfloat16:
-    return _round_to_bfloat16(x, key)
+    return _round_to_bfloat16(x, noise)
   wide = x.dtype
   nearest = x.astype(dtype)
   near = nearest.astype(wide)
@@ -61,7 +84,7 @@ def _round_leaf(x: jax.Array, dtype: np.dtype, key: jax.Array) -> jax.Array:
   _, exponent = jnp.frexp(jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
   x_, lo_, hi_ = (jnp.ldexp(v, -exponent) for v in (x, lo, hi))
   p_up = (x_ - lo_) / (hi_ - lo_)
-  up = jax.random.uniform(key, x.shape, wide) < p_up
+  up = noise < p_up
   rounded = jnp.where(up, hi, lo)
   # Exact values, inf/NaN, values beyond the largest finite target value
   # (whose upper neighbour is inf), and float32 subnormals (which CPU and GPU
@@ -116,7 +139,8 @@ def cast_stochastic(tree: T, dtype: Any, key: jax.Array) -> T:
     if not (is_array and leaves.is_real_float(x)):
       return x
     if x.dtype in _WIDE:
-      return _round_leaf(jnp.asarray(x), dtype, k)
+      x = jnp.asarray(x)
+      return round_leaf(x, dtype, draw(k, x.shape, x.dtype, dtype))
     return jnp.asarray(x).astype(dtype)
 
   return jax.tree.unflatten(

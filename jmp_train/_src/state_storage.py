@@ -202,20 +202,44 @@ def leaf_formats(
   return tree
 
 
+def state_noise(formats: Any, native: Any, steps: jax.Array) -> list:
+  """The random values each leaf that `formats` rounds stochastically
+  takes at update `steps` (`rounding.draw`), None for the others, in
+  `compress_state`'s order.
+
+  Drawn from the format's seed, `steps` and the leaf's position, so a
+  resumed run draws the same bits; apart from `compress_state`, so that
+  `mixed_precision` draws them before its skip's conditional (see
+  `param_update.leaf_noise`).
+  """
+  flat, treedef = jax.tree.flatten(formats)
+  types = treedef.flatten_up_to(native)
+  out = []
+  for index, (fmt, t) in enumerate(zip(flat, types, strict=True)):
+    if isinstance(fmt, sf.BFloat16) and fmt.rounding == "stochastic":
+      key = rounding.leaf_key(fmt.seed, rounding.STATE_STREAM, steps, index)
+      out.append(rounding.draw_for_one(key, t.shape, jnp.float32, jnp.bfloat16))
+    else:
+      out.append(None)
+  return out
+
+
 def compress_state(
-  formats: Any, state: Any, steps: jax.Array | None, previous: Any = None
+  formats: Any, state: Any, noise: list | None, previous: Any = None
 ) -> Any:
   """`state` with each leaf stored in its format (`leaf_formats`).
 
-  Stochastic rounding draws from the format's seed, `steps` and the leaf's
-  position, so a resumed run draws the same bits; with `steps=None` (the
-  initial state) it rounds to nearest instead, so that update 0 draws bits
-  no earlier rounding used.
+  Stochastic rounding takes its leaf's values in `noise` (`state_noise`);
+  with `noise=None` (the initial state) it rounds to nearest instead, so
+  that update 0 draws bits no earlier rounding used.
 
   With `previous` (the stored state and its expansion before the update), a
   leaf whose value the update left unchanged keeps its stored bits: storing
-  an expanded value again need not give the same bits (a scale can move by
-  an ulp), and `MultiSteps`' mini-steps must not move the moments.
+  an expanded value again need not give the same bits in a scaled format
+  (a scale can move by an ulp), and `MultiSteps`' mini-steps must not move
+  the moments. A float32 or bfloat16 leaf needs no check: its expansion
+  stores back to the same bits (an exactly representable value rounds to
+  itself, stochastically too).
   """
   flat, treedef = jax.tree.flatten(formats)
   values = treedef.flatten_up_to(state)
@@ -223,26 +247,27 @@ def compress_state(
     old = [None] * len(flat)
   else:
     old = zip(*(treedef.flatten_up_to(t) for t in previous), strict=True)
+  if noise is None:
+    noise = [None] * len(flat)
 
-  def store(index, fmt, x, before):
+  def store(fmt, x, before, bits):
     if fmt is KEEP:
       return x
-    key = None
     if isinstance(fmt, sf.BFloat16) and fmt.rounding == "stochastic":
-      if steps is None:  # init: round to nearest, leaving step 0's bits
-        fmt = sf.BFloat16()
-      else:
-        key = rounding.leaf_key(fmt.seed, rounding.STATE_STREAM, steps, index)
-    new = sf.compress(fmt, x, key)
-    if before is None:
+      if bits is None:  # init: round to nearest, leaving step 0's bits
+        return sf.compress(sf.BFloat16(), x)
+      wide = x.astype(jnp.float32)
+      return rounding.round_leaf(wide, jnp.bfloat16, bits)
+    new = sf.compress(fmt, x)
+    if before is None or isinstance(fmt, (sf.Float32, sf.BFloat16)):
       return new
     stored, expanded = before
     same = jnp.all(x == expanded)
     return jax.tree.map(lambda a, b: jnp.where(same, a, b), stored, new)
 
   out = [
-    store(i, fmt, x, before)
-    for i, (fmt, x, before) in enumerate(zip(flat, values, old, strict=True))
+    store(fmt, x, before, bits)
+    for fmt, x, before, bits in zip(flat, values, old, noise, strict=True)
   ]
   return jax.tree.unflatten(treedef, out)
 

@@ -29,7 +29,6 @@ checked where the state is read (`optimizer_state.find_state`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_train._src import fp8_param, leaves, state_storage
+from jmp_train._src import finite_check, fp8_param, leaves, state_storage
 from jmp_train._src import loss_scale as ls_lib
 from jmp_train._src import param_update as param_update_lib
 from jmp_train._src.optimizer_state import MixedPrecisionState, find_state
@@ -318,10 +317,27 @@ def mixed_precision(
       to_full, grads, params, is_leaf=fp8_param.is_fp8_param
     )
     grads_full = scaler.unscale(widened)
-    sq_norm, finite = _sq_norm_and_finite(widened, scaler.unscale)
+    sq_norm, finite = finite_check.sq_norm_and_finite(widened, scaler.unscale)
+
+    def draw(params, masters):
+      """Stochastic rounding's random values for the params and for the
+      stored state (None each where nothing rounds stochastically)."""
+      noise = param_update_lib.leaf_noise(rule, params, masters, state.steps)
+      if formats is None:
+        return noise, None
+      view = jax.eval_shape(_full_view, params, masters)
+      native = jax.eval_shape(inner.init, view)
+      tree = formats_of(native, view)
+      return noise, state_storage.state_noise(tree, native, state.steps)
+
+    # Drawn before the conditional: XLA:GPU turns a conditional into selects
+    # unless a branch draws random numbers; then it branches on the host and
+    # copies every output. (XLA:CPU keeps it either way, and holds the drawn
+    # values at the step's peak: 2 B a stochastically rounded bf16 value.)
+    drawn = draw(params, state.master_params)
 
     def apply_inner(operand):
-      grads_full, inner_state, masters, params = operand
+      grads_full, inner_state, masters, params, (noise, state_noise) = operand
       view = _full_view(params, masters)
       if formats is None:
         inner_updates, inner_state = inner.update(
@@ -335,7 +351,7 @@ def mixed_precision(
           grads_full, expanded, view, **extra_args
         )
         inner_state = state_storage.compress_state(
-          tree, new, state.steps, previous=(inner_state, expanded)
+          tree, new, state_noise, previous=(inner_state, expanded)
         )
       # An (update, master) pair per leaf, then the two trees.
       pairs = jax.tree.map(
@@ -343,7 +359,7 @@ def mixed_precision(
         params,
         masters,
         inner_updates,
-        param_update_lib.leaf_keys(rule, params, state.steps),
+        noise,
         is_leaf=fp8_param.is_fp8_param,
       )
       is_pair = lambda x: isinstance(x, param_update_lib.LeafUpdate)  # noqa: E731
@@ -352,7 +368,7 @@ def mixed_precision(
       return updates, inner_state, masters
 
     def skip(operand):
-      _, inner_state, masters, params = operand
+      _, inner_state, masters, params, _ = operand
       return _skip_updates(params), inner_state, masters
 
     # A conditional, not a select: the inner update runs only on finite steps
@@ -361,7 +377,7 @@ def mixed_precision(
       finite,
       apply_inner,
       skip,
-      (grads_full, state.inner_state, state.master_params, params),
+      (grads_full, state.inner_state, state.master_params, params, drawn),
     )
     new_state = MixedPrecisionState(
       loss_scaler=scaler.adjust(finite),
@@ -376,112 +392,6 @@ def mixed_precision(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init, update)
-
-
-def _sq_norm_and_finite(
-  grads: Any, unscale: Callable[[jax.Array], jax.Array]
-) -> tuple[jax.Array, jax.Array]:
-  """The squared L2 norm (float32) of `unscale`d `grads`, and whether all of
-  them are finite; `unscale` is elementwise (a loss scale's), applied to each
-  leaf or concatenation of leaves before it is squared.
-
-  One pass over the grads gives both: each non-finite entry adds NaN instead
-  of its square, so the sum is NaN exactly when some gradient is not
-  finite. Finite squares are >= 0 and can only sum to +inf (huge finite
-  grads whose squares overflow float32 are still finite and applied). So
-  there is no second pass over the grads and no conditional besides the
-  skip's own. On a non-finite step the returned norm is NaN.
-
-  In few kernels where at least `_MIN_GROUPED` leaves are known whole on
-  each device (`_whole`): XLA gives every reduction a kernel (two to a large
-  one summed to a scalar) and splits a sum of concatenated arrays back into
-  one per array. So the small float32 leaves' values are concatenated, then
-  squared and summed at once; each larger leaf (or float64, complex) is
-  summed over all axes but its first (one kernel), and those sums are summed
-  at once; an optimization barrier keeps each concatenation whole. A leaf
-  that may be split over devices (GSPMD lays it out after tracing) is summed
-  alone, as concatenating it would gather it; so is every leaf of a tree
-  with fewer whole leaves. Compiled for an H100, GPT-2 small's bf16 step
-  has 952 kernels instead of 1,108 (BENCHMARKS.md, "Kernels of GPT-2
-  small's step"), a 26-leaf MLP's 124 instead of 137; with 14 leaves 76
-  against 77, and with 6 leaves 44 against 37, where XLA no longer merges
-  the scalar bookkeeping after the check into one kernel: hence the
-  threshold.
-  """
-  flat = jax.tree.leaves(grads)
-  if not flat:
-    return jnp.zeros([], jnp.float32), jnp.array(True)
-
-  def squares(g):  # NaN where g is not finite; float64 stays float64
-    g = leaves.widen(unscale(g))
-    if jnp.issubdtype(g.dtype, jnp.complexfloating):  # |g|^2
-      square = jnp.square(jnp.real(g)) + jnp.square(jnp.imag(g))
-    else:
-      square = jnp.square(g)
-    return jnp.where(jnp.isfinite(g), square, jnp.nan)
-
-  def sq_sum(g):
-    return jnp.sum(squares(g)).astype(jnp.float32)
-
-  def partial(g):  # a short float32 vector whose sum is the leaf's
-    if g.ndim >= 2 and g.shape[0] * _MIN_ROW <= g.size:
-      rows = jnp.sum(squares(g), axis=tuple(range(1, g.ndim)))
-      return rows.astype(jnp.float32)
-    if g.size <= _SMALL_LEAF:
-      return squares(g).ravel().astype(jnp.float32)
-    return sq_sum(g)[None]
-
-  def is_small_real(g):  # its values join one array, squared there
-    return g.size <= _SMALL_LEAF and g.dtype == jnp.float32
-
-  def in_one(arrays):  # one array, which XLA does not split again
-    return jax.lax.optimization_barrier(jnp.concatenate(arrays))
-
-  whole = [_whole(g) for g in flat]
-  if sum(whole) < _MIN_GROUPED:
-    whole = [False] * len(flat)
-  total = jnp.zeros([], jnp.float32)
-  small, partials = [], []
-  for g, grouped in zip(flat, whole, strict=True):
-    if not grouped:
-      total += sq_sum(g)
-    elif is_small_real(g):
-      small.append(g.ravel())
-    else:
-      partials.append(partial(g))
-  if small:
-    total += jnp.sum(squares(in_one(small)))
-  if partials:
-    total += jnp.sum(in_one(partials))
-  return total, ~jnp.isnan(total)
-
-
-# Leaves of at most this many entries join the concatenation as they are;
-# larger ones as their sums over all axes but the first, when those rows
-# hold at least _MIN_ROW entries each (else as one sum). Grouping needs at
-# least _MIN_GROUPED whole leaves (see `_sq_norm_and_finite`).
-_SMALL_LEAF = 2**16
-_MIN_ROW = 64
-_MIN_GROUPED = 16
-
-
-def _whole(x: jax.Array) -> bool:
-  """Whether each device holding `x` holds all of it, as far as is known
-  while tracing: always with a single device; else where `x`'s type carries
-  its layout (no Auto mesh axis larger than 1: Explicit axes, or Manual
-  ones inside `shard_map`) and that layout replicates it. Under Auto axes
-  GSPMD lays arrays out after tracing, so nothing is known."""
-  if jax.device_count() == 1:
-    return True
-  sharding = jax.typeof(x).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
-    return False
-  auto = jax.sharding.AxisType.Auto
-  for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True):
-    if kind == auto and mesh.shape[name] > 1:
-      return False
-  return all(entry is None for entry in sharding.spec)
 
 
 def _skip_updates(params: optax.Params) -> optax.Params:
