@@ -934,3 +934,28 @@ def test_zero1_step_with_stored_formats_follows_the_one_device_step(n):
     ulp = 2.0 ** (np.floor(np.log2(np.abs(b) + 1e-30)) - 7)
     bound = 2 * lr / 8 + ulp + 1e-7
     np.testing.assert_array_less(np.abs(a - b), bound)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_float16_moment_stored_in_bfloat16_is_checked_for_change(rounding):
+  # bfloat16 storage of a float16 moment does not store back to its bits:
+  # 65504 (float16's largest) stores as bfloat16 65536, which reads back as
+  # float16 inf. So the unchanged-moment check stays for it: a mini-step
+  # keeps the stored 65536 instead of storing inf.
+  tx = jmp_train.mixed_precision(
+    optax.MultiSteps(
+      optax.adam(1e-3, mu_dtype=jnp.float16), every_k_schedule=2
+    ),
+    state_formats={"mu": BFloat16(rounding, seed=1)},
+  )
+  params = {"w": jnp.zeros(3, jnp.float32)}
+  grads = {"w": jnp.array([655040.0, 1.0, 2.0], jnp.float32)}
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for _ in range(2):  # a mini-step, then Adam's update: mu = 0.1 g
+    _, state = update(grads, state, params)
+  before = optax.tree.get(state.inner_state, "mu")["w"]
+  assert float(before[0]) == 65536.0
+  _, state = update(grads, state, params)  # a mini-step
+  after = optax.tree.get(state.inner_state, "mu")["w"]
+  np.testing.assert_array_equal(bits(after), bits(before))

@@ -51,7 +51,7 @@ def sq_norm_and_finite(
 
   `unscale` is elementwise (a loss scale's) and is applied to each leaf, or
   concatenation of leaves, before it is squared. Leaves below float32 are
-  widened first; float64 and complex leaves are summed in their own
+  widened first; a float64 or complex128 leaf is summed whole in its own
   precision, then rounded to float32.
   """
   flat = jax.tree.leaves(grads)
@@ -70,10 +70,11 @@ def sq_norm_and_finite(
     return jnp.sum(squares(g)).astype(jnp.float32)
 
   def row_sums(g):  # a short float32 vector whose sum is the leaf's
-    if g.ndim >= 2 and g.shape[0] * MIN_ROW <= g.size:
-      rows = jnp.sum(squares(g), axis=tuple(range(1, g.ndim)))
-      return rows.astype(jnp.float32)
-    return sq_sum(g)[None]
+    sq = squares(g)
+    rows = g.ndim >= 2 and g.shape[0] * MIN_ROW <= g.size
+    if rows and sq.dtype == jnp.float32:  # float64: summed whole
+      return jnp.sum(sq, axis=tuple(range(1, g.ndim)))
+    return jnp.sum(sq).astype(jnp.float32)[None]
 
   def in_one(arrays):  # one array, which XLA does not split again
     return jax.lax.optimization_barrier(jnp.concatenate(arrays))

@@ -237,9 +237,10 @@ def compress_state(
   leaf whose value the update left unchanged keeps its stored bits: storing
   an expanded value again need not give the same bits in a scaled format
   (a scale can move by an ulp), and `MultiSteps`' mini-steps must not move
-  the moments. A float32 or bfloat16 leaf needs no check: its expansion
-  stores back to the same bits (an exactly representable value rounds to
-  itself, stochastically too).
+  the moments. Where the expansion stores back to the same bits
+  (`_stores_back`: float32 or bfloat16 storage of a float32 moment; an
+  exactly representable value rounds to itself, stochastically too) no
+  check is made.
   """
   flat, treedef = jax.tree.flatten(formats)
   values = treedef.flatten_up_to(state)
@@ -255,11 +256,12 @@ def compress_state(
       return x
     if isinstance(fmt, sf.BFloat16) and fmt.rounding == "stochastic":
       if bits is None:  # init: round to nearest, leaving step 0's bits
-        return sf.compress(sf.BFloat16(), x)
-      wide = x.astype(jnp.float32)
-      return rounding.round_leaf(wide, jnp.bfloat16, bits)
-    new = sf.compress(fmt, x)
-    if before is None or isinstance(fmt, (sf.Float32, sf.BFloat16)):
+        new = sf.compress(sf.BFloat16(), x)
+      else:
+        new = rounding.round_leaf(x.astype(jnp.float32), jnp.bfloat16, bits)
+    else:
+      new = sf.compress(fmt, x)
+    if before is None or _stores_back(fmt, x.dtype):
       return new
     stored, expanded = before
     same = jnp.all(x == expanded)
@@ -270,6 +272,18 @@ def compress_state(
     for fmt, x, before, bits in zip(flat, values, old, noise, strict=True)
   ]
   return jax.tree.unflatten(treedef, out)
+
+
+def _stores_back(fmt: Any, dtype: Any) -> bool:
+  """Whether a `dtype` value read back from `fmt` stores back to the same
+  bits (a NaN stays NaN): float32 and bfloat16 storage of a float32 or
+  float64 moment, bfloat16 storage of a bfloat16 one. A float16 moment
+  stored in bfloat16 is not (65504 stores as 65536, which reads back inf)."""
+  dtype = np.dtype(dtype)
+  if isinstance(fmt, sf.BFloat16) and dtype == jnp.bfloat16:
+    return True
+  wide = dtype in (np.dtype(jnp.float32), np.dtype(jnp.float64))
+  return wide and isinstance(fmt, (sf.Float32, sf.BFloat16))
 
 
 def expand_state(formats: Any, stored: Any, native: Any) -> Any:

@@ -371,8 +371,10 @@ def mixed_precision(
       _, inner_state, masters, params, _ = operand
       return _skip_updates(params), inner_state, masters
 
-    # A conditional, not a select: the inner update runs only on finite steps
-    # and writes its state in place (measured in benchmarks/overhead.py).
+    # A conditional, not a select: on XLA:CPU the inner update runs only on
+    # finite steps and writes its state in place (measured in
+    # benchmarks/overhead.py). XLA:GPU turns it into selects, as no branch
+    # draws random numbers (`drawn` above).
     updates, inner_state, masters = jax.lax.cond(
       finite,
       apply_inner,
