@@ -319,22 +319,21 @@ def mixed_precision(
     grads_full = scaler.unscale(widened)
     sq_norm, finite = finite_check.sq_norm_and_finite(widened, scaler.unscale)
 
-    def draw(params, masters):
-      """Stochastic rounding's random values for the params and for the
-      stored state (None each where nothing rounds stochastically)."""
-      noise = param_update_lib.leaf_noise(rule, params, masters, state.steps)
-      if formats is None:
-        return noise, None
-      view = jax.eval_shape(_full_view, params, masters)
+    # Stochastic rounding's random values, for the params and for the stored
+    # state (None each where nothing rounds stochastically), drawn before the
+    # conditional: XLA:GPU turns a conditional into selects unless a branch
+    # draws random numbers; then it branches on the host and copies every
+    # output. (XLA:CPU keeps it either way, and holds the drawn values at the
+    # step's peak: 2 B a stochastically rounded bf16 value.)
+    noise = param_update_lib.leaf_noise(
+      rule, params, state.master_params, state.steps
+    )
+    state_noise = None
+    if formats is not None:  # the stored state's layout, from shapes alone
+      view = jax.eval_shape(_full_view, params, state.master_params)
       native = jax.eval_shape(inner.init, view)
       tree = formats_of(native, view)
-      return noise, state_storage.state_noise(tree, native, state.steps)
-
-    # Drawn before the conditional: XLA:GPU turns a conditional into selects
-    # unless a branch draws random numbers; then it branches on the host and
-    # copies every output. (XLA:CPU keeps it either way, and holds the drawn
-    # values at the step's peak: 2 B a stochastically rounded bf16 value.)
-    drawn = draw(params, state.master_params)
+      state_noise = state_storage.state_noise(tree, native, state.steps)
 
     def apply_inner(operand):
       grads_full, inner_state, masters, params, (noise, state_noise) = operand
@@ -344,8 +343,6 @@ def mixed_precision(
           grads_full, inner_state, view, **extra_args
         )
       else:
-        native = jax.eval_shape(inner.init, view)
-        tree = formats_of(native, view)
         expanded = state_storage.expand_state(tree, inner_state, native)
         inner_updates, new = inner.update(
           grads_full, expanded, view, **extra_args
@@ -379,7 +376,13 @@ def mixed_precision(
       finite,
       apply_inner,
       skip,
-      (grads_full, state.inner_state, state.master_params, params, drawn),
+      (
+        grads_full,
+        state.inner_state,
+        state.master_params,
+        params,
+        (noise, state_noise),
+      ),
     )
     new_state = MixedPrecisionState(
       loss_scaler=scaler.adjust(finite),
