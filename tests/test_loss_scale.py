@@ -707,6 +707,32 @@ def test_hysteresis_1_flattens_to_jmps_two_leaves():
   assert int(three.hysteresis_tracker) == 3
 
 
+def test_each_loss_scale_flattens_its_own_settings():
+  # An instance keeps its tree's aux data from its first flattening (each jit
+  # call flattens the loss scale): a replaced, adjusted or rebuilt one
+  # carries its own settings, never a cached copy of another's.
+  ls = jmp.dynamic_loss_scale(hysteresis=2)
+  treedef = jax.tree.structure(ls)  # cached from here
+  faster = dataclasses.replace(ls, factor=4.0)
+  assert jax.tree.structure(faster) != treedef
+  back = jax.tree.unflatten(jax.tree.structure(faster), jax.tree.leaves(ls))
+  assert back.factor == 4.0 and back.hysteresis == 2
+  one = dataclasses.replace(ls, hysteresis=1, hysteresis_tracker=None)
+  assert jax.tree.structure(one).num_leaves == 2
+  assert jax.tree.structure(ls.adjust(jnp.bool_(False))) == treedef
+  through = jax.jit(lambda s: s)(faster)
+  assert through.factor == 4.0
+  assert jax.tree.structure(through) == jax.tree.structure(faster)
+  settings = [
+    f.name
+    for f in dataclasses.fields(ls)
+    if f.name not in ("loss_scale", "counter", "hysteresis_tracker")
+  ]
+  assert [getattr(through, k) for k in settings] == [
+    getattr(faster, k) for k in settings
+  ]
+
+
 def test_unflatten_does_not_validate_or_convert():
   # JAX rebuilds states from tracers, shardings and placeholders: those go in
   # as they are; only a user's constructor call is checked.

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jmp_train
+from jmp_train._src import rounding
 
 N = 20_000  # roundings per value
 
@@ -179,35 +180,92 @@ def test_seeds_beyond_what_jax_takes_are_refused_by_name():
     jmp_train.state_format.BFloat16("stochastic", seed=2**64)
 
 
-def test_the_readme_key_rule_reproduces_the_transformation():
-  """README: leaf i's key at update `steps` is
-  fold_in(fold_in(fold_in(key(seed), 0), steps), i); cast_stochastic with
-  that key, applied by hand, gives the params the transformation gives."""
+def _bf16_stochastic(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
+  """README's rule in NumPy: float32 `x` plus 16 random bits below
+  bfloat16's, cut to bfloat16 (its bits)."""
+  wide = x.astype(np.float32).view(np.uint32).astype(np.uint64) + bits
+  return ((wide & 0xFFFF0000) >> 16).astype(np.uint16)
+
+
+def test_the_readme_stream_rule_reproduces_the_transformation():
+  """README: at update `steps` the bfloat16 params take
+  jax.random.bits(fold_in(fold_in(key(seed), 0), steps), (n,), uint16), n
+  their values, cut in leaf order; applied by hand in NumPy, it gives the
+  params the transformation gives."""
   seed = 7
   params = {
     "a": jnp.full((4096,), 1.0, jnp.bfloat16),
-    "b": jnp.full((4096,), -2.0, jnp.bfloat16),
+    "b": jnp.full((64, 64), -2.0, jnp.bfloat16),
   }
-  grads = {"a": jnp.full((4096,), 1e-3), "b": jnp.full((4096,), 2e-3)}
+  grads = {"a": jnp.full((4096,), 1e-3), "b": jnp.full((64, 64), 2e-3)}
   tx = jmp_train.mixed_precision(
     optax.sgd(1.0), param_update=jmp_train.StochasticRounding(seed=seed)
   )
-  state, got, want = tx.init(params), params, params
+  state, got = tx.init(params), params
+  want = {k: np.asarray(v).view(np.uint16) for k, v in params.items()}
   for steps in range(2):
     updates, state = tx.update(grads, state, got)
     got = optax.apply_updates(got, updates)
-    base = jax.random.fold_in(jax.random.key(seed), 0)
-    want = {
-      name: jmp_train.cast_stochastic(
-        {"x": want[name].astype(jnp.float32) - grads[name]},
-        jnp.bfloat16,
-        jax.random.fold_in(jax.random.fold_in(base, steps), i),
-      )["x"]
-      for i, name in enumerate(sorted(params))
-    }
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), steps)
+    bits = np.split(np.asarray(jax.random.bits(key, (8192,), jnp.uint16)), 2)
+    for name, b in zip(sorted(params), bits, strict=True):
+      x = want[name].astype(np.uint32) << 16  # bfloat16 bits to float32's
+      x = x.view(np.float32) - np.asarray(grads[name], np.float32)
+      want[name] = _bf16_stochastic(x, b.reshape(x.shape))
     for name in params:
       np.testing.assert_array_equal(
-        np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
+        np.asarray(got[name]).view(np.uint16), want[name]
       )
   # Stochastic: both directions were taken.
   assert len(np.unique(np.asarray(got["a"], np.float32))) > 1
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_stream_bits_are_jax_random_bits_cut_in_order(grouped, monkeypatch):
+  # Few draws (up to MAX_DRAW values each, 40 here) or one per array: JAX's
+  # bits of the whole stream either way.
+  monkeypatch.setattr(rounding, "MAX_DRAW", 40)
+  key = rounding.stream_key(3, rounding.STATE_STREAM, 5)
+  shapes = [(3, 5), (), (7,), (0,), (4, 2, 3), (41,), (2, 3)]
+  sizes = [int(np.prod(s)) for s in shapes]
+  want = np.split(
+    np.asarray(jax.random.bits(key, (sum(sizes),), jnp.uint16)),
+    np.cumsum(sizes)[:-1],
+  )
+  got = jax.jit(lambda k: rounding.stream_bits(k, shapes, grouped))(key)
+  for g, w, shape in zip(got, want, shapes, strict=True):
+    assert g.shape == shape and g.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(g).ravel(), w)
+  program = str(
+    jax.make_jaxpr(lambda k: rounding.stream_bits(k, shapes, grouped))(key)
+  )
+  draws = program.count("= threefry2x32 ")
+  assert draws == (4 if grouped else len(shapes)), draws  # 23, 24, 41, 6
+
+
+def test_stream_bits_count_past_two_to_the_32():
+  # Where the values before an array pass 2**32 (a 7B model's bf16 params),
+  # its counters carry into the high word: NumPy's uint64 counters, drawn
+  # by JAX's threefry primitive. (The first array's draw is dead code.)
+  from jax.extend.random import threefry2x32_p
+
+  key = rounding.stream_key(0, rounding.PARAM_STREAM, 0)
+  first = (2**16, 2**16 - 1)  # 2**32 - 2**16 values
+  got = jax.jit(
+    lambda k: rounding.stream_bits(k, [first, (7, 10**4)], False)[1]
+  )(key)
+  start = 2**32 - 2**16
+  count = np.arange(start, start + 7 * 10**4, dtype=np.uint64)
+  assert count[0] < 2**32 <= count[-1]
+  hi, lo = (
+    jnp.asarray(c.astype(np.uint32)) for c in (count >> 32, count & 0xFFFFFFFF)
+  )
+  words = jax.random.key_data(key)
+  x1, x2 = threefry2x32_p.bind(words[0], words[1], hi, lo)
+  np.testing.assert_array_equal(
+    np.asarray(got).ravel(), np.asarray(x1 ^ x2).astype(np.uint16)
+  )
+  with pytest.raises(
+    ValueError, match="below 2\\*\\*32 values, got one of 4294967296"
+  ):
+    rounding.stream_bits(key, [(2**16, 2**16)], True)

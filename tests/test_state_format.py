@@ -948,14 +948,16 @@ def test_a_float16_moment_stored_in_bfloat16_is_checked_for_change(rounding):
     ),
     state_formats={"mu": BFloat16(rounding, seed=1)},
   )
-  params = {"w": jnp.zeros(3, jnp.float32)}
-  grads = {"w": jnp.array([655040.0, 1.0, 2.0], jnp.float32)}
+  # 65504 rounds up to 65536 with probability 7/8 stochastically: of 16,
+  # some do (the bits are fixed by the seed).
+  params = {"w": jnp.zeros(18, jnp.float32)}
+  grads = {"w": jnp.array([655040.0] * 16 + [1.0, 2.0], jnp.float32)}
   update = jax.jit(tx.update)
   state = tx.init(params)
   for _ in range(2):  # a mini-step, then Adam's update: mu = 0.1 g
     _, state = update(grads, state, params)
   before = optax.tree.get(state.inner_state, "mu")["w"]
-  assert float(before[0]) == 65536.0
+  assert (np.asarray(before[:16], np.float32) == 65536.0).any()
   _, state = update(grads, state, params)  # a mini-step
   after = optax.tree.get(state.inner_state, "mu")["w"]
   np.testing.assert_array_equal(bits(after), bits(before))

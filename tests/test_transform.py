@@ -1,5 +1,6 @@
 """mixed_precision against plain optax runs, NumPy references and the rules."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -1291,51 +1292,89 @@ def test_a_skipped_step_keeps_explicitly_sharded_params_and_layouts():
         assert unchanged == (not finite or k == "i"), k
 
 
-def test_stochastic_rounding_draws_before_the_skip_from_the_documented_key():
+def _bf16_stochastic(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
+  """float32 `x` rounded to bfloat16 with 16 random bits a value, in NumPy
+  (the rule README.md writes): add them below bfloat16's bits and cut."""
+  wide = x.astype(np.float32).view(np.uint32).astype(np.uint64) + bits
+  return ((wide & 0xFFFF0000) >> 16).astype(np.uint16)  # bfloat16's bits
+
+
+@pytest.mark.parametrize("context", ["auto", "explicit"])
+def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
+  context,
+):
   # XLA:GPU keeps a conditional whose branch draws random numbers (a host
   # branch, a copy of every output): the bits are drawn before the skip.
-  # They are still those of leaf i's key, `leaf_key(seed, stream, steps,
-  # i)`, so a resumed run draws the same.
-  from jmp_train._src import rounding
-
+  # They are the documented streams': for the bfloat16 params, jax.random.bits
+  # of fold_in(fold_in(key(seed), 0), steps) over all of them, cut in leaf
+  # order; for a BFloat16("stochastic", seed) moment, stream 1 of its seed,
+  # counted over the moments with that seed. On 8 devices without a mesh
+  # GSPMD may split the leaves, so each is drawn apart; on an Explicit mesh
+  # that replicates them, in one draw per stream: the same bits.
   rng = np.random.default_rng(8)
   params = {
-    "0n": jnp.arange(3),  # an integer leaf first: it takes index 0
+    "0n": jnp.arange(3),  # an integer leaf first: it counts for nothing
     "a": jnp.asarray(1 + rng.random(300) / 64, jnp.bfloat16),
     "b": jnp.asarray(rng.standard_normal((20, 30)), jnp.bfloat16),
   }
   grads = jax.tree.map(lambda p: (p * 2.0**-11).astype(p.dtype), params)
-  bf16 = jmp_train.state_format.BFloat16
-  formats = {"mu": bf16(), "nu": bf16("stochastic", seed=4)}
+  floats = ["a", "b"]  # the tree's order
+  sizes = [params[k].size for k in floats]
   tx = jmp_train.mixed_precision(
-    optax.adam(1e-3),
+    optax.sgd(1.0, momentum=0.5),
     param_update=jmp_train.StochasticRounding(seed=9),
-    state_formats=formats,
+    state_formats={
+      "trace": jmp_train.state_format.BFloat16("stochastic", seed=4)
+    },
   )
-  update = jax.jit(tx.update)
-  state = tx.init(params)
-  _, state = update(grads, state, params)  # steps = 1 from here
-  jaxpr = jax.make_jaxpr(tx.update)(grads, state, params).jaxpr
-  (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+  mesh = jax.sharding.Mesh(
+    np.asarray(jax.devices()),
+    ("d",),
+    axis_types=(jax.sharding.AxisType.Explicit,),
+  )
+  explicit = context == "explicit"
+  if explicit:
+    params, grads = jax.device_put((params, grads), NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+    update = jax.jit(tx.update)
+    state = jax.jit(tx.init)(params)
+    _, state = update(grads, state, params)  # steps = 1 from here
+    old = optax.tree.get(state, "trace")
+    jaxpr = str(jax.make_jaxpr(tx.update)(grads, state, params).jaxpr)
+    updates, state = update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+  (cond,) = [
+    e
+    for e in jax.make_jaxpr(tx.update)(grads, state, params).jaxpr.eqns
+    if e.primitive.name == "cond"
+  ]
   branches = " ".join(str(b) for b in cond.params["branches"])
-  assert "random_bits" in str(jaxpr) and "random_bits" not in branches
+  assert "threefry2x32" in jaxpr and "threefry2x32" not in branches
+  draws = jaxpr.count("= threefry2x32 ")
+  assert draws == (2 if explicit else 2 * len(floats)), draws
 
-  sgd = jmp_train.mixed_precision(
-    optax.sgd(1.0), param_update=jmp_train.StochasticRounding(seed=9)
-  )
-  sgd_state = sgd.init(params)
-  _, sgd_state = jax.jit(sgd.update)(grads, sgd_state, params)
-  updates, _ = jax.jit(sgd.update)(grads, sgd_state, params)
-  new = optax.apply_updates(params, updates)
-  for index, name in enumerate(sorted(params)):  # the tree's leaf order
-    if name == "0n":
-      continue
-    key = rounding.leaf_key(9, rounding.PARAM_STREAM, 1, index)
-    wide = params[name].astype(jnp.float32)
-    want = jmp_train.cast_stochastic(
-      wide - grads[name].astype(jnp.float32), jnp.bfloat16, key
+  def stream(seed, which):  # JAX's own bits, cut in leaf order
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), which), 1)
+    flat = np.asarray(jax.random.bits(key, (sum(sizes),), jnp.uint16))
+    return np.split(flat, np.cumsum(sizes)[:-1])
+
+  trace = optax.tree.get(state, "trace")
+  for name, p_bits, s_bits in zip(
+    floats, stream(9, 0), stream(4, 1), strict=True
+  ):
+    shape = params[name].shape
+    # optax.trace in float32: g + 0.5 * the stored trace, widened.
+    old_trace = np.asarray(old[name], np.float32)
+    want_trace = (
+      np.asarray(grads[name], np.float32) + np.float32(0.5) * old_trace
     )
     np.testing.assert_array_equal(
-      np.asarray(new[name]).view(np.uint16), np.asarray(want).view(np.uint16)
+      np.asarray(trace[name]).view(np.uint16),
+      _bf16_stochastic(want_trace, s_bits.reshape(shape)),
+    )
+    want = np.asarray(params[name], np.float32) - want_trace
+    np.testing.assert_array_equal(
+      np.asarray(new[name]).view(np.uint16),
+      _bf16_stochastic(want, p_bits.reshape(shape)),
     )
     assert not np.array_equal(new[name], params[name])  # it moved

@@ -81,6 +81,14 @@ def _new(cls: type[T], **fields: Any) -> T:
   return obj
 
 
+# Where an instance keeps its flattened tree's aux data (leaf names and
+# settings), computed on its first flattening: each jit call flattens its
+# loss scale, and rebuilding the aux costs about 1.5 us a call in Python (4
+# us with the unflattening, `benchmarks/host_cost.py`). The settings of an
+# instance never change (frozen), and `adjust` copies them with the cache.
+_AUX = "_tree_aux"
+
+
 def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
   """Registers the dataclass `cls` as a pytree.
 
@@ -94,11 +102,12 @@ def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
   def flatten(ls):
     # What every jit call runs on its arguments and results: no keys.
     d = ls.__dict__
-    names = leaf_names(ls)
-    return [d[k] for k in names], (
-      names,
-      tuple((k, d[k]) for k in fields if k not in names),
-    )
+    aux = d.get(_AUX)
+    if aux is None:
+      names = leaf_names(ls)
+      aux = (names, tuple((k, d[k]) for k in fields if k not in names))
+      d[_AUX] = aux
+    return [d[k] for k in aux[0]], aux
 
   def flatten_with_keys(ls):
     leaves, aux = flatten(ls)
@@ -108,8 +117,10 @@ def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
   def unflatten(aux, children):
     names, settings = aux
     obj = _new(cls)  # filled here: no dict of keyword arguments to build
-    obj.__dict__.update(settings)
-    obj.__dict__.update(zip(names, children, strict=True))
+    d = obj.__dict__
+    d.update(settings)
+    d.update(zip(names, children, strict=True))
+    d[_AUX] = aux
     return obj
 
   jax.tree_util.register_pytree_with_keys(

@@ -323,36 +323,55 @@ def rebuilt(kept: Any, param: Any) -> Any:
 
 
 def leaf_noise(
-  rule: ParamUpdate, params: Any, kept: Any, steps: jax.Array
+  rule: ParamUpdate, params: Any, kept: Any, steps: jax.Array, grouped: bool
 ) -> Any:
   """The random values each param leaf's stochastic rounding takes at
-  update `steps` (`rounding.draw`), else None each: for a float param stored
-  below float32 that keeps nothing beside it (`kept`, as in `apply`), under
+  update `steps`, else None each: for a float param stored below float32
+  that keeps nothing beside it (`kept`, as in `apply`), under
   `StochasticRounding`.
 
-  A leaf's values are a function of the seed, the update's index and the
-  leaf's position only (its index among the params' leaves), so a resumed
-  run draws the same bits. They are drawn apart from `apply`, so that
-  `mixed_precision` draws them before its skip's conditional: XLA:GPU turns
-  a conditional without random number generation into selects, and keeps
-  one with it (a branch on the host and a copy of every output).
+  A bfloat16 param takes 16 bits a value from the stream
+  `rounding.stream_key(seed, PARAM_STREAM, steps)`, counted over the
+  bfloat16 params that round in the params' leaf order
+  (`rounding.stream_bits`, in one draw where `grouped`: the same bits). A
+  float16 param takes `rounding.draw` from `rounding.leaf_key(seed,
+  PARAM_STREAM, steps, i)`, `i` its index among the params' leaves. Both are
+  functions of the seed, the update's index and the leaf's position only,
+  so a resumed run draws the same bits. They are drawn apart from `apply`,
+  so that `mixed_precision` draws them before its skip's conditional:
+  XLA:GPU turns a conditional without random number generation into
+  selects, and keeps one with it (a branch on the host and a copy of every
+  output).
   """
   if not isinstance(rule, StochasticRounding):
     return jax.tree.map(lambda p: None, params, is_leaf=fp8_param.is_fp8_param)
-  position = 0
-
-  def draw(param, kept):
-    nonlocal position
-    index = position
-    position += len(jax.tree.leaves(param))  # an Fp8Param has several
-    if fp8_param.is_fp8_param(param) or not needs_master(param):
-      return None
-    if not keeps_nothing(kept):
-      return None
-    key = rounding.leaf_key(rule.seed, rounding.PARAM_STREAM, steps, index)
-    return rounding.draw_for_one(key, param.shape, jnp.float32, param.dtype)
-
-  return jax.tree.map(draw, params, kept, is_leaf=fp8_param.is_fp8_param)
+  flat, treedef = jax.tree.flatten(params, is_leaf=fp8_param.is_fp8_param)
+  flat_kept = treedef.flatten_up_to(kept)
+  out, streamed, index = [], [], 0
+  for param, keeps in zip(flat, flat_kept, strict=True):
+    here = index
+    index += len(jax.tree.leaves(param))  # an Fp8Param has several
+    if (
+      fp8_param.is_fp8_param(param)
+      or not needs_master(param)
+      or not keeps_nothing(keeps)
+    ):
+      out.append(None)
+    elif param.dtype == jnp.bfloat16:  # filled from the stream below
+      streamed.append((len(out), param.shape))
+      out.append(None)
+    else:
+      key = rounding.leaf_key(rule.seed, rounding.PARAM_STREAM, steps, here)
+      out.append(
+        rounding.draw_for_one(key, param.shape, jnp.float32, param.dtype)
+      )
+  key = rounding.stream_key(rule.seed, rounding.PARAM_STREAM, steps)
+  shapes = [shape for _, shape in streamed]
+  for (k, _), bits in zip(
+    streamed, rounding.stream_bits(key, shapes, grouped), strict=True
+  ):
+    out[k] = bits
+  return jax.tree.unflatten(treedef, out)
 
 
 class LeafUpdate(NamedTuple):

@@ -9,11 +9,13 @@ rounding rounds `x` up to the next representable value `hi` with probability
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 from jmp_train._src import leaves
 
@@ -171,3 +173,74 @@ def leaf_key(seed: int, stream: int, steps: Any, index: int) -> jax.Array:
   """
   key = jax.random.fold_in(jax.random.key(seed), stream)
   return jax.random.fold_in(jax.random.fold_in(key, steps), index)
+
+
+def stream_key(seed: int, stream: int, steps: Any) -> jax.Array:
+  """The threefry key of one stream's bfloat16 stochastic rounding at update
+  `steps` (the `mixed_precision` state's `steps` before it), whatever
+  `jax_default_prng_impl` says: `stream_bits` counts from it."""
+  key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), stream)
+  return jax.random.fold_in(key, steps)
+
+
+# Values per draw where `stream_bits` draws for many arrays at once: 32-bit
+# counters and iotas cover them.
+MAX_DRAW = 2**31
+
+
+def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
+  """16 random bits (uint16) for each value of arrays of `shapes`, counted
+  along one stream: value `j` (row-major) of the `k`-th array takes the
+  stream's value `offset_k + j`, `offset_k` the sizes of the arrays before
+  it. So they are `jax.random.bits(key, (total,), jnp.uint16)` cut into
+  `shapes` (JAX's default `jax_threefry_partitionable=True`): the low 16
+  bits of `x1 ^ x2`, `(x1, x2)` threefry2x32 of `key` and the 64-bit
+  counter.
+
+  `grouped=True` draws them in one array (a few beyond 2**31 values) and
+  slices it: one threefry in the compiled program instead of one per array,
+  which XLA:GPU compiles several times faster and fuses into the kernels
+  that round. Where GSPMD may split the arrays over devices (`grouped=False`)
+  each is drawn in its own shape from its own counters, which it can
+  partition; the bits are the same either way.
+  """
+  sizes = [math.prod(shape) for shape in shapes]
+  if any(size >= 2**32 for size in sizes):
+    big = max(sizes)
+    raise ValueError(
+      f"stochastic rounding draws for arrays below 2**32 values, got one of {big}."
+    )
+  words = jax.random.key_data(key)
+  offsets = np.cumsum([0, *sizes]).tolist()
+  if not grouped:
+    return [
+      _bits(words, start, shape)
+      for start, shape in zip(offsets, shapes, strict=False)
+    ]
+  out, first = [], 0
+  while first < len(shapes):
+    last = first + 1  # arrays first..last-1 in one draw
+    while last < len(shapes) and offsets[last + 1] - offsets[first] <= MAX_DRAW:
+      last += 1
+    drawn = _bits(words, offsets[first], (offsets[last] - offsets[first],))
+    for k in range(first, last):
+      start = offsets[k] - offsets[first]
+      piece = jax.lax.slice(drawn, (start,), (start + sizes[k],))
+      out.append(piece.reshape(shapes[k]))
+    first = last
+  return out
+
+
+def _bits(words: jax.Array, start: int, shape: tuple) -> jax.Array:
+  """The stream's 16 bits at counters `start + row-major index`, in `shape`
+  (fewer than 2**32 values)."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    index = index + iota * jnp.uint32(stride)
+    stride *= shape[axis]
+  lo = index + jnp.uint32(start % 2**32)
+  hi = jnp.uint32(start >> 32) + (lo < index).astype(jnp.uint32)
+  x1, x2 = threefry2x32_p.bind(words[0], words[1], hi, lo)
+  return (x1 ^ x2).astype(jnp.uint16)

@@ -202,25 +202,33 @@ def leaf_formats(
   return tree
 
 
-def state_noise(formats: Any, native: Any, steps: jax.Array) -> list:
-  """The random values each leaf that `formats` rounds stochastically
-  takes at update `steps` (`rounding.draw`), None for the others, in
-  `compress_state`'s order.
+def state_noise(
+  formats: Any, native: Any, steps: jax.Array, grouped: bool
+) -> list:
+  """The random bits each leaf that `formats` rounds stochastically takes
+  at update `steps`, None for the others, in `compress_state`'s order.
 
-  Drawn from the format's seed, `steps` and the leaf's position, so a
-  resumed run draws the same bits; apart from `compress_state`, so that
-  `mixed_precision` draws them before its skip's conditional (see
+  Each seed is a stream (`rounding.stream_key(seed, STATE_STREAM, steps)`)
+  counted over the leaves whose format has that seed, in that order
+  (`rounding.stream_bits`, in one draw where `grouped`: the same bits); so
+  a resumed run draws the same bits. Drawn apart from `compress_state`, so
+  that `mixed_precision` draws them before its skip's conditional (see
   `param_update.leaf_noise`).
   """
   flat, treedef = jax.tree.flatten(formats)
   types = treedef.flatten_up_to(native)
-  out = []
-  for index, (fmt, t) in enumerate(zip(flat, types, strict=True)):
+  out = [None] * len(flat)
+  streams: dict[int, list[int]] = {}
+  for index, fmt in enumerate(flat):
     if isinstance(fmt, sf.BFloat16) and fmt.rounding == "stochastic":
-      key = rounding.leaf_key(fmt.seed, rounding.STATE_STREAM, steps, index)
-      out.append(rounding.draw_for_one(key, t.shape, jnp.float32, jnp.bfloat16))
-    else:
-      out.append(None)
+      streams.setdefault(fmt.seed, []).append(index)
+  for seed, indices in streams.items():
+    key = rounding.stream_key(seed, rounding.STATE_STREAM, steps)
+    shapes = [types[index].shape for index in indices]
+    for index, bits in zip(
+      indices, rounding.stream_bits(key, shapes, grouped), strict=True
+    ):
+      out[index] = bits
   return out
 
 

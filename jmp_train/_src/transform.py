@@ -325,15 +325,25 @@ def mixed_precision(
     # draws random numbers; then it branches on the host and copies every
     # output. (XLA:CPU keeps it either way, and holds the drawn values at the
     # step's peak: 2 B a stochastically rounded bf16 value.)
+    # One draw for all leaves where each device holds them whole, one per
+    # leaf where GSPMD may split them: the same bits.
+    grouped = all(
+      map(
+        finite_check.whole_on_each_device,
+        jax.tree.leaves((params, state.inner_state)),
+      )
+    )
     noise = param_update_lib.leaf_noise(
-      rule, params, state.master_params, state.steps
+      rule, params, state.master_params, state.steps, grouped
     )
     state_noise = None
     if formats is not None:  # the stored state's layout, from shapes alone
       view = jax.eval_shape(_full_view, params, state.master_params)
       native = jax.eval_shape(inner.init, view)
       tree = formats_of(native, view)
-      state_noise = state_storage.state_noise(tree, native, state.steps)
+      state_noise = state_storage.state_noise(
+        tree, native, state.steps, grouped
+      )
 
     def apply_inner(operand):
       grads_full, inner_state, masters, params, (noise, state_noise) = operand
