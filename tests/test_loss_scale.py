@@ -1,6 +1,7 @@
 """Loss scales against scripted references (torch.amp, Megatron-LM) and jmp."""
 
 import dataclasses
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -723,6 +724,10 @@ def test_each_loss_scale_flattens_its_own_settings():
   through = jax.jit(lambda s: s)(faster)
   assert through.factor == 4.0
   assert jax.tree.structure(through) == jax.tree.structure(faster)
+  # A pickle carries the fields only, and flattens as the original.
+  back = pickle.loads(pickle.dumps(through))
+  assert set(vars(back)) == {f.name for f in dataclasses.fields(ls)}
+  assert jax.tree.structure(back) == jax.tree.structure(through)
   settings = [
     f.name
     for f in dataclasses.fields(ls)

@@ -222,25 +222,43 @@ def test_the_readme_stream_rule_reproduces_the_transformation():
 
 @pytest.mark.parametrize("grouped", [True, False])
 def test_stream_bits_are_jax_random_bits_cut_in_order(grouped, monkeypatch):
-  # Few draws (up to MAX_DRAW values each, 40 here) or one per array: JAX's
-  # bits of the whole stream either way.
+  # Few draws (up to MAX_DRAW values each, 40 here) or one per array, arrays
+  # beyond MAX_BLOCK values (7 here) drawn in blocks along their first axis:
+  # JAX's bits of the whole stream either way.
   monkeypatch.setattr(rounding, "MAX_DRAW", 40)
+  monkeypatch.setattr(rounding, "MAX_BLOCK", 7)
   key = rounding.stream_key(3, rounding.STATE_STREAM, 5)
-  shapes = [(3, 5), (), (7,), (0,), (4, 2, 3), (41,), (2, 3)]
+  shapes = [(3, 2), (), (7,), (0,), (5, 3, 4), (41,), (2, 3), (4, 2)]
   sizes = [int(np.prod(s)) for s in shapes]
   want = np.split(
     np.asarray(jax.random.bits(key, (sum(sizes),), jnp.uint16)),
     np.cumsum(sizes)[:-1],
   )
-  got = jax.jit(lambda k: rounding.stream_bits(k, shapes, grouped))(key)
-  for g, w, shape in zip(got, want, shapes, strict=True):
+  draw = jax.jit(lambda k: rounding.stream_bits(k, shapes, grouped))
+  for g, w, shape in zip(draw(key), want, shapes, strict=True):
     assert g.shape == shape and g.dtype == jnp.uint16
     np.testing.assert_array_equal(np.asarray(g).ravel(), w)
   program = str(
     jax.make_jaxpr(lambda k: rounding.stream_bits(k, shapes, grouped))(key)
   )
+  # Blocks of at most 7 values: (5, 3, 4) in 15 (rows of (3, 4) in rows of
+  # 4), (41,) in 6. Grouped: 6 + 1 + 7 + 0 values drawn together (2 blocks),
+  # 6 + 8 together (2). Apart: 4 small arrays in 1 each, (4, 2) in 2, (2,
+  # 3) in 1.
   draws = program.count("= threefry2x32 ")
-  assert draws == (4 if grouped else len(shapes)), draws  # 23, 24, 41, 6
+  assert draws == (2 + 15 + 6 + 2 if grouped else 4 + 15 + 6 + 1 + 2), draws
+
+
+def test_stream_bits_of_an_array_beyond_two_to_the_32_values():
+  # A stacked layer's bf16 param can pass 2**32 values: drawn in blocks of
+  # fewer along its first axis (shapes only here).
+  key = rounding.stream_key(0, rounding.PARAM_STREAM, 0)
+  shape = (80, 8192, 28672)
+  for grouped in (True, False):
+    (out,) = jax.eval_shape(
+      lambda k, g=grouped: rounding.stream_bits(k, [shape], g), key
+    )
+    assert out.shape == shape and out.dtype == jnp.uint16
 
 
 def test_stream_bits_count_past_two_to_the_32():
@@ -265,7 +283,45 @@ def test_stream_bits_count_past_two_to_the_32():
   np.testing.assert_array_equal(
     np.asarray(got).ravel(), np.asarray(x1 ^ x2).astype(np.uint16)
   )
-  with pytest.raises(
-    ValueError, match="below 2\\*\\*32 values, got one of 4294967296"
-  ):
-    rounding.stream_bits(key, [(2**16, 2**16)], True)
+
+
+def test_each_kind_of_param_takes_its_own_bits():
+  # Integer and float32 params draw nothing; the bfloat16 ones share the
+  # stream in leaf order, skipping the others; a float16 one draws from its
+  # leaf's key (README), with cast_stochastic's rule.
+  seed, rng = 5, np.random.default_rng(2)
+  params = {
+    "a": jnp.arange(4),
+    "b": jnp.asarray(rng.standard_normal(64), jnp.float32),
+    "c": jnp.asarray(1 + rng.random(64) / 8, jnp.bfloat16),
+    "d": jnp.asarray(1 + rng.random(256) / 8, jnp.float16),
+    "e": jnp.asarray(rng.standard_normal((8, 16)), jnp.bfloat16),
+  }
+  grads = jax.tree.map(
+    lambda p: jnp.full(p.shape, 3e-4, p.dtype) if p.dtype != jnp.int32 else p,
+    params,
+  )
+  tx = jmp_train.mixed_precision(
+    optax.sgd(1.0), param_update=jmp_train.StochasticRounding(seed=seed)
+  )
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(new["a"], params["a"])
+  np.testing.assert_array_equal(new["b"], params["b"] - grads["b"])
+  base = jax.random.fold_in(jax.random.key(seed), 0)
+  key = jax.random.fold_in(base, 0)  # update 0
+  bits = np.asarray(jax.random.bits(key, (64 + 128,), jnp.uint16))
+  for name, b in (("c", bits[:64]), ("e", bits[64:])):
+    x = np.asarray(params[name], np.float32) - np.asarray(
+      grads[name], np.float32
+    )
+    want = _bf16_stochastic(x, b.reshape(x.shape))
+    np.testing.assert_array_equal(np.asarray(new[name]).view(np.uint16), want)
+  wide = params["d"].astype(jnp.float32) - grads["d"].astype(jnp.float32)
+  want = jmp_train.cast_stochastic(
+    wide, jnp.float16, jax.random.fold_in(key, 3)
+  )
+  np.testing.assert_array_equal(
+    np.asarray(new["d"]).view(np.uint16), np.asarray(want).view(np.uint16)
+  )
+  assert not np.array_equal(new["d"], params["d"].astype(jnp.float16))

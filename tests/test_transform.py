@@ -1299,7 +1299,7 @@ def _bf16_stochastic(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
   return ((wide & 0xFFFF0000) >> 16).astype(np.uint16)  # bfloat16's bits
 
 
-@pytest.mark.parametrize("context", ["auto", "explicit"])
+@pytest.mark.parametrize("context", ["auto", "explicit", "explicit-split"])
 def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
   context,
 ):
@@ -1309,13 +1309,14 @@ def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
   # of fold_in(fold_in(key(seed), 0), steps) over all of them, cut in leaf
   # order; for a BFloat16("stochastic", seed) moment, stream 1 of its seed,
   # counted over the moments with that seed. On 8 devices without a mesh
-  # GSPMD may split the leaves, so each is drawn apart; on an Explicit mesh
-  # that replicates them, in one draw per stream: the same bits.
+  # GSPMD may split the leaves, so each is drawn apart, as on an Explicit
+  # mesh that splits them; on one that replicates them, in one draw per
+  # stream: the same bits.
   rng = np.random.default_rng(8)
   params = {
-    "0n": jnp.arange(3),  # an integer leaf first: it counts for nothing
-    "a": jnp.asarray(1 + rng.random(300) / 64, jnp.bfloat16),
-    "b": jnp.asarray(rng.standard_normal((20, 30)), jnp.bfloat16),
+    "0n": jnp.arange(8),  # an integer leaf first: it counts for nothing
+    "a": jnp.asarray(1 + rng.random(320) / 64, jnp.bfloat16),
+    "b": jnp.asarray(rng.standard_normal((24, 30)), jnp.bfloat16),
   }
   grads = jax.tree.map(lambda p: (p * 2.0**-11).astype(p.dtype), params)
   floats = ["a", "b"]  # the tree's order
@@ -1332,9 +1333,10 @@ def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
     ("d",),
     axis_types=(jax.sharding.AxisType.Explicit,),
   )
-  explicit = context == "explicit"
+  explicit = context != "auto"
   if explicit:
-    params, grads = jax.device_put((params, grads), NamedSharding(mesh, P()))
+    spec = P("d") if context == "explicit-split" else P()
+    params, grads = jax.device_put((params, grads), NamedSharding(mesh, spec))
   with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
     update = jax.jit(tx.update)
     state = jax.jit(tx.init)(params)
@@ -1351,7 +1353,7 @@ def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
   branches = " ".join(str(b) for b in cond.params["branches"])
   assert "threefry2x32" in jaxpr and "threefry2x32" not in branches
   draws = jaxpr.count("= threefry2x32 ")
-  assert draws == (2 if explicit else 2 * len(floats)), draws
+  assert draws == (2 if context == "explicit" else 2 * len(floats)), draws
 
   def stream(seed, which):  # JAX's own bits, cut in leaf order
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), which), 1)

@@ -123,6 +123,10 @@ def _register(cls: type, leaf_names: Callable[[Any], tuple[str, ...]]):
     d[_AUX] = aux
     return obj
 
+  def getstate(ls):  # a pickle carries the fields, not the cache
+    return {k: v for k, v in ls.__dict__.items() if k != _AUX}
+
+  cls.__getstate__ = getstate
   jax.tree_util.register_pytree_with_keys(
     cls, flatten_with_keys, unflatten, flatten
   )

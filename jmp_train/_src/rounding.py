@@ -165,7 +165,8 @@ def check_seed(value: Any, name: str) -> int:
 
 
 def leaf_key(seed: int, stream: int, steps: Any, index: int) -> jax.Array:
-  """The key of one leaf's stochastic rounding at update `steps`.
+  """The key of one leaf's stochastic rounding at update `steps`, where it
+  does not round float32 to bfloat16 (those draw from `stream_key`).
 
   A function of the seed, the stream, the update's index (the
   `mixed_precision` state's `steps` before it) and the leaf's position only,
@@ -183,9 +184,11 @@ def stream_key(seed: int, stream: int, steps: Any) -> jax.Array:
   return jax.random.fold_in(key, steps)
 
 
-# Values per draw where `stream_bits` draws for many arrays at once: 32-bit
-# counters and iotas cover them.
-MAX_DRAW = 2**31
+# Values per draw where `stream_bits` draws for many arrays at once. XLA:CPU
+# holds a draw's two 32-bit words at once (8 B a value): at most 32 MiB here.
+MAX_DRAW = 2**22
+# Values per block of one array's draw: its iotas count in 32 bits.
+MAX_BLOCK = 2**31
 
 
 def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
@@ -193,23 +196,19 @@ def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
   along one stream: value `j` (row-major) of the `k`-th array takes the
   stream's value `offset_k + j`, `offset_k` the sizes of the arrays before
   it. So they are `jax.random.bits(key, (total,), jnp.uint16)` cut into
-  `shapes` (JAX's default `jax_threefry_partitionable=True`): the low 16
-  bits of `x1 ^ x2`, `(x1, x2)` threefry2x32 of `key` and the 64-bit
+  `shapes` (with JAX's default `jax_threefry_partitionable=True`): the low
+  16 bits of `x1 ^ x2`, `(x1, x2)` threefry2x32 of `key` and the 64-bit
   counter.
 
-  `grouped=True` draws them in one array (a few beyond 2**31 values) and
-  slices it: one threefry in the compiled program instead of one per array,
-  which XLA:GPU compiles several times faster and fuses into the kernels
-  that round. Where GSPMD may split the arrays over devices (`grouped=False`)
-  each is drawn in its own shape from its own counters, which it can
-  partition; the bits are the same either way.
+  `grouped=True` draws consecutive arrays together, up to `MAX_DRAW` values
+  a draw, and slices: a few threefry calls in the compiled program instead
+  of one per array, which XLA compiles several times faster (and XLA:GPU
+  fuses into the kernels that round). With `grouped=False` (where GSPMD
+  may split the arrays over devices) each is drawn in its own shape from
+  its own counters, which GSPMD can partition. The bits are the same either
+  way.
   """
   sizes = [math.prod(shape) for shape in shapes]
-  if any(size >= 2**32 for size in sizes):
-    big = max(sizes)
-    raise ValueError(
-      f"stochastic rounding draws for arrays below 2**32 values, got one of {big}."
-    )
   words = jax.random.key_data(key)
   offsets = np.cumsum([0, *sizes]).tolist()
   if not grouped:
@@ -219,6 +218,10 @@ def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
     ]
   out, first = [], 0
   while first < len(shapes):
+    if sizes[first] > MAX_DRAW:  # a draw of its own, in its shape
+      out.append(_bits(words, offsets[first], shapes[first]))
+      first += 1
+      continue
     last = first + 1  # arrays first..last-1 in one draw
     while last < len(shapes) and offsets[last + 1] - offsets[first] <= MAX_DRAW:
       last += 1
@@ -232,8 +235,21 @@ def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
 
 
 def _bits(words: jax.Array, start: int, shape: tuple) -> jax.Array:
-  """The stream's 16 bits at counters `start + row-major index`, in `shape`
-  (fewer than 2**32 values)."""
+  """The stream's 16 bits at counters `start + row-major index`, in
+  `shape`; beyond `MAX_BLOCK` values, in blocks along the first axis."""
+  if math.prod(shape) > MAX_BLOCK:
+    row = math.prod(shape[1:])
+    if row > MAX_BLOCK:
+      parts = [
+        _bits(words, start + i * row, shape[1:])[None] for i in range(shape[0])
+      ]
+    else:
+      rows = MAX_BLOCK // row
+      parts = [
+        _bits(words, start + i * row, (min(rows, shape[0] - i), *shape[1:]))
+        for i in range(0, shape[0], rows)
+      ]
+    return jnp.concatenate(parts, axis=0)
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(shape))):
