@@ -1343,6 +1343,7 @@ def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
     _, state = update(grads, state, params)  # steps = 1 from here
     old = optax.tree.get(state, "trace")
     jaxpr = str(jax.make_jaxpr(tx.update)(grads, state, params).jaxpr)
+    compiled = update.lower(grads, state, params).compile().as_text()
     updates, state = update(grads, state, params)
     new = optax.apply_updates(params, updates)
   (cond,) = [
@@ -1354,6 +1355,9 @@ def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
   assert "threefry2x32" in jaxpr and "threefry2x32" not in branches
   draws = jaxpr.count("= threefry2x32 ")
   assert draws == (2 if context == "explicit" else 2 * len(floats)), draws
+  if context == "explicit-split":  # each device draws its own part's bits
+    assert "u32[3,30]" in compiled and "u32[40]" in compiled
+    assert "u32[24,30]" not in compiled and "u32[320]" not in compiled
 
   def stream(seed, which):  # JAX's own bits, cut in leaf order
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), which), 1)

@@ -358,7 +358,7 @@ def leaf_noise(
     ):
       out.append(None)
     elif param.dtype == jnp.bfloat16:  # filled from the stream below
-      streamed.append((len(out), param.shape))
+      streamed.append((len(out), param))
       out.append(None)
     else:
       key = rounding.leaf_key(rule.seed, rounding.PARAM_STREAM, steps, here)
@@ -366,10 +366,10 @@ def leaf_noise(
         rounding.draw_for_one(key, param.shape, jnp.float32, param.dtype)
       )
   key = rounding.stream_key(rule.seed, rounding.PARAM_STREAM, steps)
-  shapes = [shape for _, shape in streamed]
-  for (k, _), bits in zip(
-    streamed, rounding.stream_bits(key, shapes, grouped), strict=True
-  ):
+  shapes = [param.shape for _, param in streamed]
+  layouts = [rounding.layout_of(param) for _, param in streamed]
+  drawn = rounding.stream_bits(key, shapes, grouped, layouts)
+  for (k, _), bits in zip(streamed, drawn, strict=True):
     out[k] = bits
   return jax.tree.unflatten(treedef, out)
 

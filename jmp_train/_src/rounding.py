@@ -191,7 +191,9 @@ MAX_DRAW = 2**22
 MAX_BLOCK = 2**31
 
 
-def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
+def stream_bits(
+  key: jax.Array, shapes: list, grouped: bool, layouts: list | None = None
+) -> list:
   """16 random bits (uint16) for each value of arrays of `shapes`, counted
   along one stream: value `j` (row-major) of the `k`-th array takes the
   stream's value `offset_k + j`, `offset_k` the sizes of the arrays before
@@ -205,16 +207,18 @@ def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
   of one per array, which XLA compiles several times faster (and XLA:GPU
   fuses into the kernels that round). With `grouped=False` (where GSPMD
   may split the arrays over devices) each is drawn in its own shape from
-  its own counters, which GSPMD can partition. The bits are the same either
-  way.
+  its own counters, which GSPMD can partition, in its layout where
+  `layouts` gives one (`layout_of`: an Explicit mesh's). The bits are the
+  same either way.
   """
   sizes = [math.prod(shape) for shape in shapes]
   words = jax.random.key_data(key)
   offsets = np.cumsum([0, *sizes]).tolist()
   if not grouped:
+    layouts = layouts or [None] * len(shapes)
     return [
-      _bits(words, start, shape)
-      for start, shape in zip(offsets, shapes, strict=False)
+      _bits(words, start, shape, layout)
+      for start, shape, layout in zip(offsets, shapes, layouts, strict=False)
     ]
   out, first = [], 0
   while first < len(shapes):
@@ -234,9 +238,12 @@ def stream_bits(key: jax.Array, shapes: list, grouped: bool) -> list:
   return out
 
 
-def _bits(words: jax.Array, start: int, shape: tuple) -> jax.Array:
+def _bits(
+  words: jax.Array, start: int, shape: tuple, layout: Any = None
+) -> jax.Array:
   """The stream's 16 bits at counters `start + row-major index`, in
-  `shape`; beyond `MAX_BLOCK` values, in blocks along the first axis."""
+  `shape` and `layout`; beyond `MAX_BLOCK` values, in blocks along the
+  first axis (then without a layout)."""
   if math.prod(shape) > MAX_BLOCK:
     row = math.prod(shape[1:])
     if row > MAX_BLOCK:
@@ -250,13 +257,36 @@ def _bits(words: jax.Array, start: int, shape: tuple) -> jax.Array:
         for i in range(0, shape[0], rows)
       ]
     return jnp.concatenate(parts, axis=0)
-  index = jnp.zeros(shape, jnp.uint32)
+  index = jnp.zeros(shape, jnp.uint32, out_sharding=layout)
   stride = 1
   for axis in reversed(range(len(shape))):
-    iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    iota = jax.lax.broadcasted_iota(
+      jnp.uint32, shape, axis, out_sharding=layout
+    )
     index = index + iota * jnp.uint32(stride)
     stride *= shape[axis]
   lo = index + jnp.uint32(start % 2**32)
   hi = jnp.uint32(start >> 32) + (lo < index).astype(jnp.uint32)
   x1, x2 = threefry2x32_p.bind(words[0], words[1], hi, lo)
   return (x1 ^ x2).astype(jnp.uint16)
+
+
+def layout_of(x: Any) -> Any:
+  """`x`'s layout where its type carries one that splits it over devices
+  (a `NamedSharding` over Explicit mesh axes), else None: the layout
+  `stream_bits` draws `x`'s bits in, so each device draws its own part."""
+  sharding = jax.typeof(x).sharding
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if spec is None or mesh is None or mesh.empty:
+    return None
+  named = [
+    n
+    for e in spec
+    if e is not None
+    for n in (e if isinstance(e, tuple) else (e,))
+  ]
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  explicit = jax.sharding.AxisType.Explicit
+  if not named or any(kinds.get(n) != explicit for n in named):
+    return None
+  return sharding

@@ -203,20 +203,22 @@ def leaf_formats(
 
 
 def state_noise(
-  formats: Any, native: Any, steps: jax.Array, grouped: bool
+  formats: Any, native: Any, steps: jax.Array, grouped: bool, stored: Any
 ) -> list:
   """The random bits each leaf that `formats` rounds stochastically takes
   at update `steps`, None for the others, in `compress_state`'s order.
 
   Each seed is a stream (`rounding.stream_key(seed, STATE_STREAM, steps)`)
   counted over the leaves whose format has that seed, in that order
-  (`rounding.stream_bits`, in one draw where `grouped`: the same bits); so
-  a resumed run draws the same bits. Drawn apart from `compress_state`, so
+  (`rounding.stream_bits`: in a few draws where `grouped`, else each in
+  its stored leaf's layout, from `stored`; the same bits); so a resumed run
+  draws the same bits. Drawn apart from `compress_state`, so
   that `mixed_precision` draws them before its skip's conditional (see
   `param_update.leaf_noise`).
   """
   flat, treedef = jax.tree.flatten(formats)
   types = treedef.flatten_up_to(native)
+  kept = treedef.flatten_up_to(stored)
   out = [None] * len(flat)
   streams: dict[int, list[int]] = {}
   for index, fmt in enumerate(flat):
@@ -225,9 +227,9 @@ def state_noise(
   for seed, indices in streams.items():
     key = rounding.stream_key(seed, rounding.STATE_STREAM, steps)
     shapes = [types[index].shape for index in indices]
-    for index, bits in zip(
-      indices, rounding.stream_bits(key, shapes, grouped), strict=True
-    ):
+    layouts = [rounding.layout_of(kept[index]) for index in indices]
+    drawn = rounding.stream_bits(key, shapes, grouped, layouts)
+    for index, bits in zip(indices, drawn, strict=True):
       out[index] = bits
   return out
 

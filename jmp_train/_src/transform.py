@@ -342,7 +342,7 @@ def mixed_precision(
       native = jax.eval_shape(inner.init, view)
       tree = formats_of(native, view)
       state_noise = state_storage.state_noise(
-        tree, native, state.steps, grouped
+        tree, native, state.steps, grouped, state.inner_state
       )
 
     def apply_inner(operand):
