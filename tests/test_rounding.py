@@ -220,13 +220,16 @@ def test_the_readme_stream_rule_reproduces_the_transformation():
   assert len(np.unique(np.asarray(got["a"], np.float32))) > 1
 
 
+@pytest.mark.parametrize("one_word", [2**32, 1])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_stream_bits_are_jax_random_bits_cut_in_order(grouped, monkeypatch):
-  # Few draws (up to MAX_DRAW values each, 40 here) or one per array, arrays
-  # beyond MAX_BLOCK values (7 here) drawn in blocks along their first axis:
-  # JAX's bits of the whole stream either way.
+def test_stream_bits_are_jax_random_bits_cut_in_order(
+  grouped, one_word, monkeypatch
+):
+  # Few draws (consecutive arrays up to MAX_DRAW values, 40 here; a larger
+  # array alone) or one per array, counters in one word or (ONE_WORD = 1)
+  # in two-word products on every axis: JAX's bits of the whole stream.
   monkeypatch.setattr(rounding, "MAX_DRAW", 40)
-  monkeypatch.setattr(rounding, "MAX_BLOCK", 7)
+  monkeypatch.setattr(rounding, "ONE_WORD", one_word)
   key = rounding.stream_key(3, rounding.STATE_STREAM, 5)
   shapes = [(3, 2), (), (7,), (0,), (5, 3, 4), (41,), (2, 3), (4, 2)]
   sizes = [int(np.prod(s)) for s in shapes]
@@ -238,20 +241,49 @@ def test_stream_bits_are_jax_random_bits_cut_in_order(grouped, monkeypatch):
   for g, w, shape in zip(draw(key), want, shapes, strict=True):
     assert g.shape == shape and g.dtype == jnp.uint16
     np.testing.assert_array_equal(np.asarray(g).ravel(), w)
-  program = str(
-    jax.make_jaxpr(lambda k: rounding.stream_bits(k, shapes, grouped))(key)
-  )
-  # Blocks of at most 7 values: (5, 3, 4) in 15 (rows of (3, 4) in rows of
-  # 4), (41,) in 6. Grouped: 6 + 1 + 7 + 0 values drawn together (2 blocks),
-  # 6 + 8 together (2). Apart: 4 small arrays in 1 each, (4, 2) in 2, (2,
-  # 3) in 1.
+  program = str(jax.make_jaxpr(draw)(key))
+  # Grouped: 6 + 1 + 7 + 0 values, (5, 3, 4) alone, (41,) alone, 6 + 8.
   draws = program.count("= threefry2x32 ")
-  assert draws == (2 + 15 + 6 + 2 if grouped else 4 + 15 + 6 + 1 + 2), draws
+  assert draws == (4 if grouped else len(shapes)), draws
+
+
+def test_two_word_arithmetic_against_python_ints():
+  # The 64-bit counters' products and sums, in uint32 words, against
+  # Python's exact integers (mod 2**64).
+  rng = np.random.default_rng(0)
+  a = rng.integers(0, 2**32, 2000, dtype=np.uint64)
+  a[:4] = [0, 1, 2**32 - 1, 2**31]
+  for b in [
+    0,
+    1,
+    3,
+    2**16 + 1,
+    2**32 - 1,
+    2**32,
+    2**32 + 7,
+    2**63 + 5,
+    2**64 - 1,
+  ]:
+    hi, lo = rounding.mul_wide(jnp.asarray(a.astype(np.uint32)), b)
+    got = (np.asarray(hi).astype(object) << 32) + np.asarray(lo).astype(object)
+    want = [(int(x) * b) % 2**64 for x in a]
+    assert got.tolist() == want, b
+  x, y = (rng.integers(0, 2**63, 500, dtype=np.uint64) * 2 + 1 for _ in "xy")
+  words = [
+    jnp.asarray(w.astype(np.uint32))
+    for v in (x, y)
+    for w in (v >> 32, v & 0xFFFFFFFF)
+  ]
+  hi, lo = rounding.add_wide(*words)
+  got = (np.asarray(hi).astype(object) << 32) + np.asarray(lo).astype(object)
+  assert got.tolist() == [
+    (int(p) + int(q)) % 2**64 for p, q in zip(x, y, strict=True)
+  ]
 
 
 def test_stream_bits_of_an_array_beyond_two_to_the_32_values():
-  # A stacked layer's bf16 param can pass 2**32 values: drawn in blocks of
-  # fewer along its first axis (shapes only here).
+  # A stacked layer's bf16 param can pass 2**32 values: its counters take
+  # two words (shapes only here; the arithmetic is tested above).
   key = rounding.stream_key(0, rounding.PARAM_STREAM, 0)
   shape = (80, 8192, 28672)
   for grouped in (True, False):

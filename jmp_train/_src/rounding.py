@@ -184,11 +184,11 @@ def stream_key(seed: int, stream: int, steps: Any) -> jax.Array:
   return jax.random.fold_in(key, steps)
 
 
-# Values per draw where `stream_bits` draws for many arrays at once. XLA:CPU
-# holds a draw's two 32-bit words at once (8 B a value): at most 32 MiB here.
-MAX_DRAW = 2**22
-# Values per block of one array's draw: its iotas count in 32 bits.
-MAX_BLOCK = 2**31
+# Values per draw where `stream_bits` draws many arrays at once (an array of
+# more is drawn alone). XLA:CPU holds a draw's 32-bit words while it runs
+# and overlaps draws: at 2**20 values GPT-2 small's update holds what
+# drawing leaf by leaf holds (benchmarks/page.md).
+MAX_DRAW = 2**20
 
 
 def stream_bits(
@@ -215,10 +215,12 @@ def stream_bits(
   words = jax.random.key_data(key)
   offsets = np.cumsum([0, *sizes]).tolist()
   if not grouped:
-    layouts = layouts or [None] * len(shapes)
+    layouts = [None] * len(shapes) if layouts is None else layouts
     return [
       _bits(words, start, shape, layout)
-      for start, shape, layout in zip(offsets, shapes, layouts, strict=False)
+      for start, shape, layout in zip(
+        offsets[:-1], shapes, layouts, strict=True
+      )
     ]
   out, first = [], 0
   while first < len(shapes):
@@ -242,33 +244,62 @@ def _bits(
   words: jax.Array, start: int, shape: tuple, layout: Any = None
 ) -> jax.Array:
   """The stream's 16 bits at counters `start + row-major index`, in
-  `shape` and `layout`; beyond `MAX_BLOCK` values, in blocks along the
-  first axis (then without a layout)."""
-  if math.prod(shape) > MAX_BLOCK:
-    row = math.prod(shape[1:])
-    if row > MAX_BLOCK:
-      parts = [
-        _bits(words, start + i * row, shape[1:])[None] for i in range(shape[0])
-      ]
-    else:
-      rows = MAX_BLOCK // row
-      parts = [
-        _bits(words, start + i * row, (min(rows, shape[0] - i), *shape[1:]))
-        for i in range(0, shape[0], rows)
-      ]
-    return jnp.concatenate(parts, axis=0)
-  index = jnp.zeros(shape, jnp.uint32, out_sharding=layout)
+  `shape` and `layout`."""
+  hi, lo = counters(start, shape, layout)
+  x1, x2 = threefry2x32_p.bind(words[0], words[1], hi, lo)
+  return (x1 ^ x2).astype(jnp.uint16)
+
+
+# Where an iota times its stride stops fitting one uint32 word (a test
+# lowers it to take the two-word product on small shapes).
+ONE_WORD = 2**32
+
+
+def counters(start: int, shape: tuple, layout: Any = None) -> tuple:
+  """`start` plus each value's row-major index in `shape`, as the high and
+  low uint32 words of a 64-bit counter (mod 2**64), built from iotas in
+  `layout` so that each device computes its own part's."""
+  hi = jnp.full(
+    shape, start >> 32 & 0xFFFFFFFF, jnp.uint32, out_sharding=layout
+  )
+  lo = jnp.full(shape, start & 0xFFFFFFFF, jnp.uint32, out_sharding=layout)
   stride = 1
   for axis in reversed(range(len(shape))):
     iota = jax.lax.broadcasted_iota(
       jnp.uint32, shape, axis, out_sharding=layout
     )
-    index = index + iota * jnp.uint32(stride)
+    if stride * (shape[axis] - 1) < ONE_WORD:  # the product fits one word
+      hi, lo = add_wide(hi, lo, jnp.zeros_like(iota), iota * jnp.uint32(stride))
+    else:
+      hi, lo = add_wide(hi, lo, *mul_wide(iota, stride))
     stride *= shape[axis]
-  lo = index + jnp.uint32(start % 2**32)
-  hi = jnp.uint32(start >> 32) + (lo < index).astype(jnp.uint32)
-  x1, x2 = threefry2x32_p.bind(words[0], words[1], hi, lo)
-  return (x1 ^ x2).astype(jnp.uint16)
+  return hi, lo
+
+
+def mul_wide(a: jax.Array, b: int) -> tuple:
+  """uint32 `a` times the int `b` (below 2**64), mod 2**64, as (high, low)
+  uint32 words: 16-bit halves, so no product leaves 32 bits."""
+  b_lo, b_hi = b & 0xFFFFFFFF, b >> 32 & 0xFFFFFFFF
+  a0, a1 = a & jnp.uint32(0xFFFF), a >> jnp.uint32(16)
+  c0, c1 = jnp.uint32(b_lo & 0xFFFF), jnp.uint32(b_lo >> 16)
+  mid = a0 * c1
+  mid2 = mid + a1 * c0
+  mid_carry = (mid2 < mid).astype(jnp.uint32)  # a carry worth 2**48
+  low = a0 * c0
+  lo = low + (mid2 << jnp.uint32(16))
+  hi = (
+    a1 * c1
+    + (mid2 >> jnp.uint32(16))
+    + (mid_carry << jnp.uint32(16))
+    + (lo < low).astype(jnp.uint32)
+  )
+  return hi + a * jnp.uint32(b_hi), lo
+
+
+def add_wide(hi: jax.Array, lo: jax.Array, hi2: jax.Array, lo2: jax.Array):
+  """(hi, lo) + (hi2, lo2) as 64-bit numbers in uint32 words, mod 2**64."""
+  total = lo + lo2
+  return hi + hi2 + (total < lo).astype(jnp.uint32), total
 
 
 def layout_of(x: Any) -> Any:
