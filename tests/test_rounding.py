@@ -1,5 +1,6 @@
 """Stochastic rounding: unbiased casts, and bf16 updates without masters."""
 
+import _numpy_rules
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -180,13 +181,6 @@ def test_seeds_beyond_what_jax_takes_are_refused_by_name():
     jmp_train.state_format.BFloat16("stochastic", seed=2**64)
 
 
-def _bf16_stochastic(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
-  """README's rule in NumPy: float32 `x` plus 16 random bits below
-  bfloat16's, cut to bfloat16 (its bits)."""
-  wide = x.astype(np.float32).view(np.uint32).astype(np.uint64) + bits
-  return ((wide & 0xFFFF0000) >> 16).astype(np.uint16)
-
-
 def test_the_readme_stream_rule_reproduces_the_transformation():
   """README: at update `steps` the bfloat16 params take
   jax.random.bits(fold_in(fold_in(key(seed), 0), steps), (n,), uint16), n
@@ -211,7 +205,7 @@ def test_the_readme_stream_rule_reproduces_the_transformation():
     for name, b in zip(sorted(params), bits, strict=True):
       x = want[name].astype(np.uint32) << 16  # bfloat16 bits to float32's
       x = x.view(np.float32) - np.asarray(grads[name], np.float32)
-      want[name] = _bf16_stochastic(x, b.reshape(x.shape))
+      want[name] = _numpy_rules.bf16_stochastic(x, b.reshape(x.shape))
     for name in params:
       np.testing.assert_array_equal(
         np.asarray(got[name]).view(np.uint16), want[name]
@@ -347,7 +341,7 @@ def test_each_kind_of_param_takes_its_own_bits():
     x = np.asarray(params[name], np.float32) - np.asarray(
       grads[name], np.float32
     )
-    want = _bf16_stochastic(x, b.reshape(x.shape))
+    want = _numpy_rules.bf16_stochastic(x, b.reshape(x.shape))
     np.testing.assert_array_equal(np.asarray(new[name]).view(np.uint16), want)
   wide = params["d"].astype(jnp.float32) - grads["d"].astype(jnp.float32)
   want = jmp_train.cast_stochastic(

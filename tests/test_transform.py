@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import _child_env
+import _numpy_rules
 import chex
 import jax
 import jax.numpy as jnp
@@ -1292,13 +1293,6 @@ def test_a_skipped_step_keeps_explicitly_sharded_params_and_layouts():
         assert unchanged == (not finite or k == "i"), k
 
 
-def _bf16_stochastic(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
-  """float32 `x` rounded to bfloat16 with 16 random bits a value, in NumPy
-  (the rule README.md writes): add them below bfloat16's bits and cut."""
-  wide = x.astype(np.float32).view(np.uint32).astype(np.uint64) + bits
-  return ((wide & 0xFFFF0000) >> 16).astype(np.uint16)  # bfloat16's bits
-
-
 @pytest.mark.parametrize("context", ["auto", "explicit", "explicit-split"])
 def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
   context,
@@ -1376,11 +1370,11 @@ def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
     )
     np.testing.assert_array_equal(
       np.asarray(trace[name]).view(np.uint16),
-      _bf16_stochastic(want_trace, s_bits.reshape(shape)),
+      _numpy_rules.bf16_stochastic(want_trace, s_bits.reshape(shape)),
     )
     want = np.asarray(params[name], np.float32) - want_trace
     np.testing.assert_array_equal(
       np.asarray(new[name]).view(np.uint16),
-      _bf16_stochastic(want, p_bits.reshape(shape)),
+      _numpy_rules.bf16_stochastic(want, p_bits.reshape(shape)),
     )
     assert not np.array_equal(new[name], params[name])  # it moved

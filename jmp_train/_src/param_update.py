@@ -333,7 +333,7 @@ def leaf_noise(
   A bfloat16 param takes 16 bits a value from the stream
   `rounding.stream_key(seed, PARAM_STREAM, steps)`, counted over the
   bfloat16 params that round in the params' leaf order
-  (`rounding.stream_bits`, in one draw where `grouped`: the same bits). A
+  (`rounding.stream_bits`, in a few draws where `grouped`: the same bits). A
   float16 param takes `rounding.draw` from `rounding.leaf_key(seed,
   PARAM_STREAM, steps, i)`, `i` its index among the params' leaves. Both are
   functions of the seed, the update's index and the leaf's position only,

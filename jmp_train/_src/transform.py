@@ -325,8 +325,8 @@ def mixed_precision(
     # draws random numbers; then it branches on the host and copies every
     # output. (XLA:CPU keeps it either way, and holds the drawn values at the
     # step's peak: 2 B a stochastically rounded bf16 value.)
-    # One draw for all leaves where each device holds them whole, one per
-    # leaf where GSPMD may split them: the same bits.
+    # A few draws for many leaves where each device holds them whole, one
+    # per leaf where GSPMD may split them: the same bits.
     grouped = all(
       map(
         finite_check.whole_on_each_device,
@@ -381,7 +381,7 @@ def mixed_precision(
     # A conditional, not a select: on XLA:CPU the inner update runs only on
     # finite steps and writes its state in place (measured in
     # benchmarks/overhead.py). XLA:GPU turns it into selects, as no branch
-    # draws random numbers (`drawn` above).
+    # draws random numbers (`noise` and `state_noise` are drawn above).
     updates, inner_state, masters = jax.lax.cond(
       finite,
       apply_inner,
