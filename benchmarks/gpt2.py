@@ -43,6 +43,7 @@ import os
 import pathlib
 import platform
 import sys
+import time
 
 # The shared GPT model lives with the examples.
 sys.path.insert(
@@ -320,8 +321,12 @@ def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
   place = (lambda t: deviceless.abstract(t, topo)) if topo else (lambda t: t)
   kernels = {}
   for name, (step, state) in steps.items():
+    start = time.perf_counter()
     hlo = step.lower(place(state), place(tokens)).compile().as_text()
     kernels[name] = overhead.kernel_summary(hlo)
+    # Lowering and compiling (one each, this machine; the first step's
+    # includes some of JAX's start-up).
+    kernels[name]["compile_s"] = round(time.perf_counter() - start, 1)
     print(f"{name}: {kernels[name]}", flush=True)
   return {
     "what": "kernels per step",
@@ -353,11 +358,12 @@ def kernels_table(results: dict) -> str:
         f"{v['mbytes']:,.0f}",
         md.ratio(v["mbytes"] / base["mbytes"]),
         v.get("conditionals", "n/a"),
+        v.get("compile_s", "n/a"),
       ]
       for name, v in k.items()
     ]
     header = ["step", "kernels", "vs hand-bf16", "reductions", "vs hand-bf16"]
-    header += ["MB moved", "vs hand-bf16", "conditionals"]
+    header += ["MB moved", "vs hand-bf16", "conditionals", "compile s"]
     out += [
       f"{r['model']} ({r['leaves']} param leaves), batch {r['batch']}, loss"
       f" {r['loss']}; {r['device']}, jax {r['jax']}"

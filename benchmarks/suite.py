@@ -77,6 +77,8 @@ CPU_JOBS = {
   "lean-gpt": "lean_state.py gpt --steps 400 --chart docs/lean-state.png",
   "lean-digits": "lean_state.py digits --epochs 30",
   "loss-head": "loss_head.py",
+  "rounding-memory": "rounding_memory.py --batch 1"
+  " --max-draw 1048576,4194304,2147483648",
   "lean-speed": "lean_state.py speed",  # last: timings want a quiet machine
 }
 # Jobs that compile for a GPU without one: they need JAX's CUDA plugin
@@ -170,6 +172,8 @@ CPU_QUICK = {
   " --layers 1 --d-model 32 --seq-len 16 --eval-every 3 --text-bytes 100000",
   "lean-digits": "lean_state.py digits --presets bf16-true,bf16-sr-coat"
   " --epochs 1 --max-steps 3",
+  "rounding-memory": "rounding_memory.py --layers 1 --d-model 32 --heads 4"
+  " --vocab 64 --seq 8 --batch 2 --max-draw 64",
   "loss-head": "loss_head.py --batch 2 --seq 128 --d-model 64 --vocab 4096"
   " --chunks 16,64",
   "lean-speed": "lean_state.py speed --presets bf16-true,bf16-lean,bf16-sr-coat"

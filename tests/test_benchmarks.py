@@ -30,6 +30,7 @@ import lean_state
 import loss_head
 import memory_table
 import overhead
+import rounding_memory
 import suite
 import timing
 import zero1
@@ -463,6 +464,31 @@ def test_gpt2_benchmark_tiny_runs(capsys):
   assert "| bf16-mixed |" in capsys.readouterr().out
 
 
+def test_rounding_memory_compiles_each_preset_and_draw_size():
+  # Tiny GPT: an update alone and a train step, bf16-lean and stochastic
+  # rounding at a draw size of 64 values; MAX_DRAW is put back.
+  from jmp_train._src import rounding
+
+  before = rounding.MAX_DRAW
+  result = rounding_memory.main(
+    [
+      *("--layers", "1", "--d-model", "32", "--heads", "4", "--vocab", "64"),
+      *("--seq", "8", "--batch", "2", "--max-draw", "64"),
+    ]
+  )
+  rows = result["rows"]
+  assert rounding.MAX_DRAW == before
+  got = [(r["compiled"], r["preset"], r["max_draw"]) for r in rows]
+  assert got == [
+    (what, preset, draw)
+    for what in ("update alone", "train step, batch 2")
+    for preset, draw in (("bf16-lean", None), ("bf16-sr-lean", 64))
+  ]
+  assert all(r["compile_s"] > 0 and r["temp_mib"] >= 0 for r in rows)
+  text = rounding_memory.table({"r": result})
+  assert "| train step, batch 2 | bf16-sr-lean | 64 |" in text
+
+
 def test_gpt2_kernels_counts_the_finite_checks_reductions(capsys):
   # mixed_precision's finite check and gradient norm reduce the gradients,
   # which the hand-written bf16 step does not (XLA:CPU here, which fuses
@@ -478,8 +504,10 @@ def test_gpt2_kernels_counts_the_finite_checks_reductions(capsys):
   assert list(k) == ["hand-bf16", "bf16-mixed"]
   assert k["bf16-mixed"]["reductions"] > k["hand-bf16"]["reductions"]
   assert k["bf16-mixed"]["total"] > k["hand-bf16"]["total"]
+  assert all(v["compile_s"] > 0 for v in k.values())
   text = gpt2.kernels_table({"k": result})
   assert f"| bf16-mixed | {k['bf16-mixed']['total']} |" in text
+  assert text.count(f"| {k['bf16-mixed']['compile_s']} |") >= 1
   assert "rows" not in result and gpt2.table({"k": result}).startswith(
     "Not measured"
   )

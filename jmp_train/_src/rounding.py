@@ -185,9 +185,9 @@ def stream_key(seed: int, stream: int, steps: Any) -> jax.Array:
 
 
 # Values per draw where `stream_bits` draws many arrays at once (an array of
-# more is drawn alone). XLA:CPU holds a draw's 32-bit words while it runs
-# and overlaps draws: at 2**20 values GPT-2 small's update holds what
-# drawing leaf by leaf holds (benchmarks/page.md).
+# more is drawn alone). XLA:CPU holds the draws' 32-bit words at once: at
+# 2**20 values GPT-2 small's update holds what drawing leaf by leaf held
+# (`benchmarks/rounding_memory.py`).
 MAX_DRAW = 2**20
 
 
