@@ -28,7 +28,7 @@ Every step donates its state.
 The model is GPT-2 small: 12 layers, d_model 768, 12 heads, context 1024,
 vocabulary 50304 (50257 padded to a multiple of 64), tied embeddings; 124.5M
 params. Attention is `jax.nn.dot_product_attention` (cuDNN flash attention on
-GPU for bf16/fp16). MFU is model FLOPs per second over the device's dense bf16
+GPU for bf16/fp16, and in steps compiled for one by `--kernels --target`). MFU is model FLOPs per second over the device's dense bf16
 peak, with nanoGPT's count: 6 N + 12 L d T FLOPs per token, N the params
 without the position embedding.
 
@@ -474,7 +474,14 @@ def main(argv=None):
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     return result
-  base = gpt_model.GPT(**cfg, tied=True, fused_attention=True)
+  # Compiled for a GPU without one (--target), the attention is the cuDNN
+  # kernel the GPU runs, not the XLA one JAX's CPU backend would pick.
+  base = gpt_model.GPT(
+    **cfg,
+    tied=True,
+    fused_attention=True,
+    platform="gpu" if args.target else None,
+  )
   seq = cfg["seq_len"]
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(

@@ -30,9 +30,17 @@ CONFIGS = {
 }
 
 
+# What `GPT(platform=...)` takes: JAX's backend names.
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
 class CausalSelfAttention(nn.Module):
   heads: int
   fused: bool = False  # jax.nn.dot_product_attention (cuDNN flash on GPU)
+  # The platform compiled for (None: JAX's default backend). "gpu" where a
+  # step is compiled for a GPU on a machine without one (benchmarks/
+  # deviceless.py), so it gets the cuDNN attention the GPU would run.
+  platform: str | None = None
 
   @nn.compact
   def __call__(self, x):
@@ -40,10 +48,20 @@ class CausalSelfAttention(nn.Module):
     head_dim = d // self.heads
     qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if self.platform not in (None, *PLATFORMS):
+      raise ValueError(
+        f"platform must be None or one of {PLATFORMS}, got {self.platform!r}"
+      )
+    if self.platform is not None and not self.fused:
+      raise ValueError(
+        f"platform={self.platform!r} picks the fused attention's kernels:"
+        " it needs fused_attention=True"
+      )
     if self.fused:  # the kernels keep softmax statistics in float32
       # cuDNN flash attention takes bf16/fp16 on GPUs; JAX's default (None)
       # is its XLA implementation, which materializes the T x T scores.
-      cudnn = jax.default_backend() == "gpu" and q.dtype in (
+      platform = self.platform or jax.default_backend()
+      cudnn = platform == "gpu" and q.dtype in (
         jnp.bfloat16,
         jnp.float16,
       )
@@ -63,11 +81,14 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
   heads: int
   fused: bool = False
+  platform: str | None = None
 
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
-    attn = CausalSelfAttention(self.heads, self.fused, name="attn")
+    attn = CausalSelfAttention(
+      self.heads, self.fused, self.platform, name="attn"
+    )
     x = x + attn(nn.LayerNorm()(x))
     h = nn.gelu(nn.Dense(4 * d, name="fc")(nn.LayerNorm()(x)))
     return x + nn.Dense(d, name="out")(h)
@@ -83,6 +104,9 @@ class GPT(nn.Module):
   vocab: int = VOCAB
   tied: bool = False
   fused_attention: bool = False
+  # With fused_attention, the platform compiled for (None: JAX's default
+  # backend): "gpu" takes cuDNN's attention for bf16 and fp16.
+  platform: str | None = None
 
   @nn.compact
   def __call__(self, tokens, targets=None, loss_chunk=4096):
@@ -100,7 +124,9 @@ class GPT(nn.Module):
     )
     x = embed(tokens) + pos[: tokens.shape[1]]
     for i in range(self.layers):
-      x = Block(self.heads, self.fused_attention, name=f"block{i}")(x)
+      x = Block(
+        self.heads, self.fused_attention, self.platform, name=f"block{i}"
+      )(x)
     x = nn.LayerNorm(name="ln_f")(x)
     if targets is not None:  # the dtypes embed.attend would give
       x, table = embed.promote_dtype(x, embed.embedding, dtype=embed.dtype)

@@ -17,6 +17,8 @@ import pytest
 from conftest import equations
 from conftest import primitive_operand_dtypes as dtypes_of
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 import jmp_train
 from jmp_train import AutocastLists, autocast, fp8, train, zero1
@@ -283,6 +285,67 @@ def test_custom_jvp_and_custom_vjp_rules_are_kept():
   assert set(dtypes_of(jax.grad(loss2), W, X)) == {("bfloat16", "bfloat16")}
   plain = jax.grad(lambda w, x: jnp.sum(jax.nn.sigmoid(x @ w) ** 2))(W, X)
   np.testing.assert_allclose(jax.grad(loss2)(W, X), plain, rtol=0.05, atol=0.02)
+
+
+def _mixed_scale_primitive():
+  """A primitive that takes a bfloat16 and a float32 operand and refuses
+  others, as cuDNN attention's backward does (bfloat16 q, k and v, float32
+  softmax statistics: given float32 for all, it fails to lower)."""
+  prim = Primitive("bf16_times_f32")
+
+  def abstract(g, stats):
+    if (g.dtype, stats.dtype) != (bf16, f32):
+      raise TypeError(
+        f"bf16_times_f32 takes bfloat16 and float32, got {g.dtype} and"
+        f" {stats.dtype}"
+      )
+    return jax.core.ShapedArray(g.shape, bf16)
+
+  def compute(g, stats):
+    return (g.astype(f32) * stats).astype(bf16)
+
+  prim.def_abstract_eval(abstract)
+  prim.def_impl(compute)
+  mlir.register_lowering(prim, mlir.lower_fun(compute, False))
+  return prim
+
+
+def test_a_primitive_given_mixed_float_dtypes_keeps_them():
+  # Found compiling autocast's GPT-2 for an H100 (benchmarks/page.md,
+  # "Kernels of GPT-2 small's step"): autocast promoted the bfloat16 and
+  # float32 operands of cuDNN attention's backward to float32.
+  prim = _mixed_scale_primitive()
+
+  @jax.custom_vjp
+  def scaled(a):
+    return a.astype(bf16)
+
+  def fwd(a):
+    return scaled(a), jnp.full(a.shape, 3.0, f32)
+
+  def bwd(stats, g):  # g: bfloat16, as scaled's output
+    return (prim.bind(g, stats).astype(f32),)
+
+  scaled.defvjp(fwd, bwd)
+
+  def loss(w, x):
+    return jnp.sum(scaled(x @ w).astype(f32))
+
+  # d/dw of sum(x @ w), times bwd's 3: 3 x^T 1 (with x rounded to bfloat16
+  # by the autocast matmul).
+  ones = np.ones((1, 4))
+  want = jax.grad(loss)(W, X)
+  np.testing.assert_allclose(want, 3.0 * X.sum(0)[:, None] * ones, rtol=1e-6)
+  rounded = 3.0 * X.astype(bf16).astype(f32).sum(0)[:, None] * ones
+  for grad in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+    got = grad(autocast(loss, BF16))(W, X)
+    np.testing.assert_allclose(got, rounded, rtol=1e-2)
+  # The promotion autocast gives ops whose operands it cast still happens
+  # where the program gave one dtype (add's bf16 product and f32 bias).
+  biased = autocast(lambda w, x, b: jnp.sum(x @ w + b), BF16)
+  assert ("add", ("float32", "float32")) in _all_operands(
+    biased, W, X, jnp.ones(4, f32)
+  )
 
 
 def test_shard_map_with_psum():

@@ -189,3 +189,41 @@ def test_a_float32_wrap_traces_to_the_bare_models_program():
   # ... where bf16-mixed's is not (the check can tell programs apart).
   mixed = jmp_train.linen.wrap(base, jmp_train.get_preset("bf16-mixed").policy)
   assert grad_jaxpr(mixed) != bare
+
+
+def test_platform_gpu_asks_for_cudnn_attention_where_it_applies():
+  # benchmarks/gpt2.py --kernels --target h100 compiles on a CPU for a GPU:
+  # GPT(platform="gpu") takes the cuDNN attention the GPU run takes (JAX's
+  # default backend would say cpu, and give XLA's T x T scores instead).
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  bf16 = jmp_train.get_preset("bf16-mixed").policy
+
+  def jaxpr(platform, policy=None, fused=True):
+    model = gpt_model.GPT(
+      layers=1,
+      d_model=16,
+      heads=2,
+      seq_len=8,
+      fused_attention=fused,
+      platform=platform,
+    )
+    if policy is not None:
+      model = jmp_train.linen.wrap(model, policy)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    return str(jax.make_jaxpr(model.apply)(params, tokens))
+
+  # On this CPU backend None means cpu: XLA's attention, as "cpu" says.
+  assert jaxpr(None, bf16) == jaxpr("cpu", bf16)
+  assert "dot_product_attention_fwd" not in jaxpr(None, bf16)
+  # float32 has no cuDNN kernel: XLA's attention for "gpu" too.
+  assert jaxpr("gpu") == jaxpr(None)
+  try:
+    program = jaxpr("gpu", bf16)
+  except RuntimeError as e:  # no CUDA plugin here: JAX's cuDNN check says so
+    assert "cuDNN" in str(e)
+  else:  # with JAX's CUDA plugin installed, compiling for a GPU works
+    assert "dot_product_attention_fwd" in program
+  with pytest.raises(ValueError, match="one of .*'gpu'.*, got 'cuda'"):
+    jaxpr("cuda", bf16)
+  with pytest.raises(ValueError, match="needs fused_attention=True"):
+    jaxpr("gpu", bf16, fused=False)

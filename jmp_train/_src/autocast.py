@@ -13,7 +13,9 @@ that names it (`AutocastLists`):
   with, so the primitive runs exactly as written;
 * everything else: operands in their promoted dtype, the widest of them
   (a Python scalar's weak type does not widen), as torch.autocast runs ops
-  on no list.
+  on no list; a primitive `fn` gave float operands of different dtypes
+  (cuDNN attention's backward: bfloat16 q, k, v and float32 statistics)
+  takes each in its own, so it runs as written.
 
 Integer, boolean, complex and FP8 values are never cast. A primitive with an
 FP8 operand, and a `custom_jvp`/`custom_vjp` function that computes with FP8

@@ -205,6 +205,12 @@ def _eval_eqn(eqn: Any, invals: list, config: Config) -> Any:
     )
   if rule == "compute":
     return _compute(eqn, invals, avals, config)
+  if len({a.dtype for a in avals if leaves.is_real_float(a)}) > 1:
+    # Float operands the program gave different dtypes (cuDNN attention's
+    # backward: bfloat16 q, k and v, float32 softmax statistics; a
+    # callback's): the primitive takes each in its own, so promoting them
+    # to one would change what was written. As written.
+    return as_written()
   dtype = _promoted(invals, eqn.invars)
   if dtype is None:
     return _bind(eqn, invals)
