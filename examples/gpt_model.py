@@ -34,6 +34,20 @@ CONFIGS = {
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
+def check_platform(platform: str | None, fused: bool) -> None:
+  """Refuses a `platform` that is no backend name, or one given where no
+  fused attention would read it."""
+  if platform not in (None, *PLATFORMS):
+    raise ValueError(
+      f"platform must be None or one of {PLATFORMS}, got {platform!r}"
+    )
+  if platform is not None and not fused:
+    raise ValueError(
+      f"platform={platform!r} picks the fused attention's kernels: it needs"
+      " fused_attention=True"
+    )
+
+
 class CausalSelfAttention(nn.Module):
   heads: int
   fused: bool = False  # jax.nn.dot_product_attention (cuDNN flash on GPU)
@@ -42,21 +56,16 @@ class CausalSelfAttention(nn.Module):
   # deviceless.py), so it gets the cuDNN attention the GPU would run.
   platform: str | None = None
 
+  def __post_init__(self):
+    check_platform(self.platform, self.fused)
+    super().__post_init__()
+
   @nn.compact
   def __call__(self, x):
     batch, seq, d = x.shape
     head_dim = d // self.heads
     qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if self.platform not in (None, *PLATFORMS):
-      raise ValueError(
-        f"platform must be None or one of {PLATFORMS}, got {self.platform!r}"
-      )
-    if self.platform is not None and not self.fused:
-      raise ValueError(
-        f"platform={self.platform!r} picks the fused attention's kernels:"
-        " it needs fused_attention=True"
-      )
     if self.fused:  # the kernels keep softmax statistics in float32
       # cuDNN flash attention takes bf16/fp16 on GPUs; JAX's default (None)
       # is its XLA implementation, which materializes the T x T scores.
@@ -107,6 +116,10 @@ class GPT(nn.Module):
   # With fused_attention, the platform compiled for (None: JAX's default
   # backend): "gpu" takes cuDNN's attention for bf16 and fp16.
   platform: str | None = None
+
+  def __post_init__(self):
+    check_platform(self.platform, self.fused_attention)
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, tokens, targets=None, loss_chunk=4096):

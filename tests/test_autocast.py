@@ -4,6 +4,9 @@ cast by hand; control flow, custom rules, shard_map; composition with the
 train step, ZeRO-1, linen.wrap overrides and FP8 layers."""
 
 import functools
+import importlib.util
+import pathlib
+import sys
 
 import _flax_models as fm
 import _models
@@ -331,21 +334,51 @@ def test_a_primitive_given_mixed_float_dtypes_keeps_them():
   def loss(w, x):
     return jnp.sum(scaled(x @ w).astype(f32))
 
-  # d/dw of sum(x @ w), times bwd's 3: 3 x^T 1 (with x rounded to bfloat16
-  # by the autocast matmul).
+  # d/dw of sum(x @ w), times bwd's 3: 3 x^T 1. Under autocast the matmul
+  # takes x in bfloat16 and gives its product in bfloat16 (the unrounded
+  # sums differ from these by up to 1.1%).
   ones = np.ones((1, 4))
   want = jax.grad(loss)(W, X)
   np.testing.assert_allclose(want, 3.0 * X.sum(0)[:, None] * ones, rtol=1e-6)
-  rounded = 3.0 * X.astype(bf16).astype(f32).sum(0)[:, None] * ones
+  sums = 3.0 * X.astype(bf16).astype(f32).sum(0)[:, None] * ones
+  rounded = sums.astype(bf16).astype(f32)
   for grad in (jax.grad, lambda f: jax.jit(jax.grad(f))):
     got = grad(autocast(loss, BF16))(W, X)
-    np.testing.assert_allclose(got, rounded, rtol=1e-2)
-  # The promotion autocast gives ops whose operands it cast still happens
-  # where the program gave one dtype (add's bf16 product and f32 bias).
-  biased = autocast(lambda w, x, b: jnp.sum(x @ w + b), BF16)
-  assert ("add", ("float32", "float32")) in _all_operands(
-    biased, W, X, jnp.ones(4, f32)
+    np.testing.assert_allclose(got, rounded, rtol=3e-3)
+  # Where the program gave one dtype, autocast still promotes: exp's
+  # float32 result times the bfloat16 x it was written with multiplies in
+  # float32 (as written it would be bfloat16).
+  x16 = X.astype(bf16)
+  found = _all_operands(autocast(lambda x: jnp.sum(jnp.exp(x) * x), BF16), x16)
+  assert ("mul", ("float32", "float32")) in found
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("jax_cuda12_plugin") is None,
+  reason="compiling for a GPU without one needs JAX's CUDA plugin",
+)
+def test_cudnn_attention_under_autocast_compiles_for_a_gpu():
+  # What the primitive above stands in for, compiled for an H100 on this
+  # machine (benchmarks/deviceless.py), where JAX's CUDA plugin is
+  # installed: forward and backward on cuDNN's kernels.
+  sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+  import deviceless
+
+  def loss(w, q, k, v):
+    q, k, v = (jnp.tanh(t @ w).astype(bf16) for t in (q, k, v))
+    y = jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="cudnn"
+    )
+    return jnp.sum(y.astype(f32) @ w)
+
+  topo = deviceless.topology("h100")
+  qkv = jax.ShapeDtypeStruct((2, 128, 4, 64), f32)
+  args = deviceless.abstract(
+    (jax.ShapeDtypeStruct((64, 64), f32), qkv, qkv, qkv), topo
   )
+  hlo = jax.jit(jax.grad(autocast(loss, BF16))).lower(*args).compile().as_text()
+  assert 'custom_call_target="__cudnn$fmhaSoftmax"' in hlo
+  assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo
 
 
 def test_shard_map_with_psum():

@@ -198,13 +198,13 @@ def test_platform_gpu_asks_for_cudnn_attention_where_it_applies():
   tokens = jnp.zeros((1, 8), jnp.int32)
   bf16 = jmp_train.get_preset("bf16-mixed").policy
 
-  def jaxpr(platform, policy=None, fused=True):
+  def jaxpr(platform, policy=None):
     model = gpt_model.GPT(
       layers=1,
       d_model=16,
       heads=2,
       seq_len=8,
-      fused_attention=fused,
+      fused_attention=True,
       platform=platform,
     )
     if policy is not None:
@@ -223,7 +223,8 @@ def test_platform_gpu_asks_for_cudnn_attention_where_it_applies():
     assert "cuDNN" in str(e)
   else:  # with JAX's CUDA plugin installed, compiling for a GPU works
     assert "dot_product_attention_fwd" in program
+  # Refused when the model is built, before any param is made.
   with pytest.raises(ValueError, match="one of .*'gpu'.*, got 'cuda'"):
-    jaxpr("cuda", bf16)
+    gpt_model.GPT(layers=1, d_model=16, heads=2, seq_len=8, platform="cuda")
   with pytest.raises(ValueError, match="needs fused_attention=True"):
-    jaxpr("gpu", bf16, fused=False)
+    gpt_model.GPT(layers=1, d_model=16, heads=2, seq_len=8, platform="gpu")

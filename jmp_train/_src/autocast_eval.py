@@ -15,7 +15,8 @@ here. The rules, per equation:
   (unless an operand is an integer or float64, or the precision is
   explicit);
 * anything else: float operands in their promoted dtype, literal constants
-  weak unless the dtype would overflow them.
+  weak unless the dtype would overflow them; as written where the program
+  gave its float operands different dtypes (a kernel that takes each so).
 """
 
 from __future__ import annotations

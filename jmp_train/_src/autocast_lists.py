@@ -4,7 +4,10 @@ precision, by name, as torch.autocast's op reference lists its ops.
 torch.autocast has a "lower precision" list (matmuls, convolutions,
 `linear`), a float32 list (exp, log, pow, rsqrt, softmax, norms, losses,
 sums) and runs every other op in the widest type of its inputs. These are
-the same lists for JAX primitives, the names `jax.make_jaxpr` prints.
+the same lists for JAX primitives, the names `jax.make_jaxpr` prints; a
+primitive on no list whose float operands the program gave different
+dtypes runs as written (a kernel such as cuDNN attention's backward takes
+each in its own).
 Softmax, log-softmax, layer norm and the losses are no primitives in JAX:
 they are built from exp, log, reduce_max, reduce_sum and rsqrt, which the
 float32 list holds, and their divisions take a float32 operand from those,
@@ -95,6 +98,8 @@ DEFAULT_PASSTHROUGH = frozenset(
   }
 )
 
+# Kernels that take the dtypes they were written with: callbacks, XLA FFI
+# calls and cuDNN's attention (the names JAX 0.10 gives its primitives).
 DEFAULT_AS_WRITTEN = frozenset(
   {
     "bitcast_convert_type",
@@ -102,6 +107,11 @@ DEFAULT_AS_WRITTEN = frozenset(
     "io_callback",
     "debug_callback",
     "debug_print",
+    "ffi_call",
+    "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fp8_fwd_wrapper",
+    "dot_product_attention_fp8_bwd_wrapper",
   }
 )
 
@@ -143,7 +153,8 @@ class AutocastLists:
 
   Mirrors torch.autocast's op lists (its "lower precision", "float32" and
   "promote" lists) for JAX primitives. A primitive on no list runs in the
-  promoted dtype of its float operands. Change a list with
+  promoted dtype of its float operands, or as written where the program
+  gave them different dtypes. Change a list with
   `dataclasses.replace` or `with_ops`.
 
   Attributes:
