@@ -28,9 +28,10 @@ Every step donates its state.
 The model is GPT-2 small: 12 layers, d_model 768, 12 heads, context 1024,
 vocabulary 50304 (50257 padded to a multiple of 64), tied embeddings; 124.5M
 params. Attention is `jax.nn.dot_product_attention` (cuDNN flash attention on
-GPU for bf16/fp16, and in steps compiled for one by `--kernels --target`). MFU is model FLOPs per second over the device's dense bf16
-peak, with nanoGPT's count: 6 N + 12 L d T FLOPs per token, N the params
-without the position embedding.
+GPU for bf16/fp16, and in steps compiled for one by `--kernels --target`).
+MFU is model FLOPs per second over the device's dense bf16 peak, with
+nanoGPT's count: 6 N + 12 L d T FLOPs per token, N the params without the
+position embedding.
 
   python benchmarks/gpt2.py                      # needs a GPU
   python benchmarks/gpt2.py --torch              # the PyTorch side
