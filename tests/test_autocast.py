@@ -402,6 +402,43 @@ def test_shard_map_with_psum():
   np.testing.assert_allclose(g, jax.grad(fn)(W, X), rtol=0.05, atol=0.05)
 
 
+def test_a_custom_vjp_inside_shard_map_scales_a_varying_cotangent():
+  # bwd scales each device's cotangent by a constant, as a written-out
+  # mean's gradient does (examples/gpt_model.cross_entropy). Autocast
+  # traced bwd with cotangents typed as replicated, and shard_map's check
+  # then refused `varying / constant` ("div requires varying manual axes
+  # to match").
+  mesh = _models.mesh()
+
+  @jax.custom_vjp
+  def mean_tanh(a):
+    return jnp.mean(jnp.tanh(a))
+
+  def fwd(a):
+    return mean_tanh(a), a
+
+  def bwd(a, g):
+    return ((1 - jnp.tanh(a) ** 2) * (g / a.size),)
+
+  mean_tanh.defvjp(fwd, bwd)
+
+  def fn(w, x):
+    def local(w, x):
+      return lax.pmean(mean_tanh(x @ w), "data")
+
+    return jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(jax.P(), jax.P("data")),
+      out_specs=jax.P(),
+    )(w, x)
+
+  want = jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w)))(W, X)
+  np.testing.assert_allclose(jax.grad(fn)(W, X), want, rtol=1e-5)
+  got = jax.jit(jax.grad(autocast(fn, BF16)))(W, X)
+  np.testing.assert_allclose(got, want, rtol=0.05, atol=0.02)
+
+
 # -- what is never cast -----------------------------------------------------
 
 

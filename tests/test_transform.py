@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 
@@ -1378,3 +1379,47 @@ def test_stochastic_rounding_draws_before_the_skip_from_the_documented_stream(
       _numpy_rules.bf16_stochastic(want, p_bits.reshape(shape)),
     )
     assert not np.array_equal(new[name], params[name])  # it moved
+
+
+def _outputs_without_a_buffer(compiled, outputs) -> list[str]:
+  """The outputs of a compiled step that XLA writes into no donated input's
+  buffer (read from the module's `input_output_alias`)."""
+  config = re.search(r"input_output_alias=\{(.*?) \}", compiled.as_text())
+  aliased = {int(i) for i in re.findall(r"\{(\d+)\}: \(", config[1])}
+  flat = jax.tree_util.tree_flatten_with_path(outputs)[0]
+  return [
+    jax.tree_util.keystr(path)
+    for i, (path, _) in enumerate(flat)
+    if i not in aliased
+  ]
+
+
+@pytest.mark.parametrize(
+  "preset", ["fp16-mixed", "bf16-true", "bf16-sr-lean", "bf16-fp8-adam"]
+)
+def test_a_donated_state_is_updated_in_its_own_buffers(preset):
+  # `jax.jit(step, donate_argnums=(0, 1))`, as optax users write it: each
+  # new leaf must go into its old leaf's buffer. An input no output reads is
+  # dropped by jit, and its output gets a fresh buffer every step (on a GPU,
+  # a CUDA-graph update per call): the two metrics the update overwrites
+  # without reading did, and the plain optax step has none.
+  preset = jmp_train.get_preset(preset)
+  params = init_params(dtype=preset.policy.param_dtype)
+  x, y = batches(1)[0]
+
+  def step_of(tx, scaled):
+    def step(params, state, x, y):
+      scale = jmp_train.current_loss_scale(state) if scaled else 1.0
+      grads = jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+  plain, ours = optax.adam(1e-3), preset.mixed_precision(optax.adam(1e-3))
+  for tx in (plain, ours):
+    state = jax.jit(tx.init)(params)
+    step = step_of(tx, scaled=tx is ours)
+    compiled = step.lower(params, state, x, y).compile()
+    outputs = jax.eval_shape(step, params, state, x, y)
+    assert _outputs_without_a_buffer(compiled, outputs) == []

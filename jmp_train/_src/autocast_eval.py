@@ -476,8 +476,11 @@ def _custom_vjp(eqn, invals, config):
         _instantiate(g, a) for g, a in zip(grads, primal_avals, strict=True)
       ]
 
+    # Traced with the cotangents' own types: inside shard_map a cotangent
+    # that varies over a manual axis must be traced as varying, or bwd's
+    # operations between it and a constant fail the replication check.
     bwd_jaxpr = jax.make_jaxpr(written_bwd)(
-      *res_avals, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+      *res_avals, *[jax.typeof(c) for c in cts]
     )
     grads = _closed(bwd_jaxpr, config)(*res, *cts)
     return tuple(

@@ -400,13 +400,27 @@ def mixed_precision(
       inner_state=inner_state,
       steps=state.steps + 1,
       skipped_steps=state.skipped_steps + jnp.where(finite, 0, 1),
-      last_step_finite=finite,
-      grad_norm=jnp.sqrt(sq_norm),
+      last_step_finite=_in_place_of(state.last_step_finite, finite),
+      grad_norm=_in_place_of(state.grad_norm, jnp.sqrt(sq_norm)),
       skip_streak=jnp.where(finite, 0, state.skip_streak + 1),
     )
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _in_place_of(old: jax.Array, new: jax.Array) -> jax.Array:
+  """`new`, computed so that it reads `old`.
+
+  A state leaf that the update overwrites without reading is dropped from
+  the inputs of a jitted step, so a donated state has no buffer to give
+  that leaf's output: it gets a fresh buffer each step, and on a GPU the
+  step's CUDA graph is updated with the new address (`command_buffer::update`,
+  51 us a call in the H200's trace of `benchmarks/overhead.py
+  --update-only`). XLA folds the select away; the input stays, and the
+  output is written into its buffer.
+  """
+  return jnp.where(True, new, old)
 
 
 def _skip_updates(params: optax.Params) -> optax.Params:
