@@ -183,9 +183,16 @@ def time_matmuls(sizes, recipes, rounds, warmup):
   rows = []
   for n in sizes:
     steps = dense_steps(n, recipes)
-    for step, args in steps.values():
+    for name, (step, args) in steps.items():
+      start = time.perf_counter()
       for _ in range(warmup):
         jax.block_until_ready(step(*args))
+      # What a run cut short by a timeout got to (the H200's of 2026-11-27
+      # printed nothing in 150 s): the compile (and on a GPU autotuning) is
+      # in the first warm-up.
+      print(
+        f"n={n} {name}: warm in {time.perf_counter() - start:.1f} s", flush=True
+      )
     names = list(steps)
     times = {name: [] for name in names}
     for i in range(rounds):

@@ -7,23 +7,32 @@ in float32. Two ways:
 
 - logits: `gpt_model.cross_entropy(x @ table.T, targets)`, what the model
   without targets and `gpt2.py --loss logits` do: the (rows, vocab) logits in
-  bfloat16, their float32 copy and gradient;
+  bfloat16, read in float32, and their gradient in one pass (its backward
+  pass is written out);
+- logits, optax's loss: `optax.softmax_cross_entropy_with_integer_labels`
+  of the float32 logits, differentiated by JAX (what `cross_entropy` was
+  until 2026-11-27): the float32 softmax written, the one-hot scattered into
+  it, then cast;
 - fused (chunk c): `gpt_model.fused_cross_entropy(x, table, targets, c)`,
   what `gpt2.py --loss fused` does: c rows of float32 logits at a time,
   computed again in the backward pass.
 
 For each: the temporaries XLA allocates for the compiled function
-(`memory_analysis().temp_size_in_bytes`, read without running it), and on a
-GPU the loss it computes and the median time of alternating rounds (on CPU,
-bfloat16 matmuls are emulated and 3.8 TFLOP per call take minutes: not run).
+(`memory_analysis().temp_size_in_bytes`, read without running it) and the
+bytes its kernels move (`overhead.kernel_summary`), and on a GPU the loss it
+computes and the median time of alternating rounds (on CPU, bfloat16 matmuls
+are emulated and 3.8 TFLOP per call take minutes: not run). `--target h100`
+compiles for that GPU on a machine without one (`benchmarks/deviceless.py`).
 
   python benchmarks/loss_head.py                    # any machine
+  python benchmarks/loss_head.py --target h100      # needs JAX's CUDA plugin
   python benchmarks/loss_head.py --batch 2 --vocab 1024 --chunks 256  # tiny
 """
 
 import argparse
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -32,11 +41,14 @@ sys.path.insert(
   0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 )
 
+import deviceless
 import gpt_model
 import jax
 import jax.numpy as jnp
 import md
 import numpy as np
+import optax
+import overhead
 
 GIB = 2**30
 
@@ -67,6 +79,13 @@ def parse_args(argv=None):
     help="comma-separated rows per chunk of the fused loss",
   )
   p.add_argument("--rounds", type=int, default=10)
+  p.add_argument(
+    "--target",
+    choices=sorted(deviceless.TARGETS),
+    default=None,
+    help="compile for this GPU on a machine without one, not run"
+    " (benchmarks/deviceless.py; needs JAX's CUDA plugin)",
+  )
   p.add_argument("--json", default=None)
   return p.parse_args(argv)
 
@@ -84,21 +103,41 @@ def main(argv=None):
   def logits_loss(x, table, targets):
     return gpt_model.cross_entropy(jnp.dot(x, table.T), targets)
 
-  variants = {"logits": logits_loss}
+  def optax_loss(x, table, targets):
+    logits = jnp.dot(x, table.T).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return losses.mean()
+
+  variants = {"logits": logits_loss, "logits, optax's loss": optax_loss}
   for c in args.chunks:
     variants[f"fused (chunk {c})"] = lambda x, t, y, c=c: (
       gpt_model.fused_cross_entropy(x, t, y, c)
     )
-  on_gpu = jax.devices()[0].platform == "gpu"
+  on_gpu = jax.devices()[0].platform == "gpu" and not args.target
+  if args.target:
+    topo = deviceless.topology(args.target)
+    inputs = deviceless.abstract((x, table_, targets), topo)
+  else:
+    inputs = (x, table_, targets)
   compiled, out = {}, []
   for name, fn in variants.items():
     compiled[name] = (
-      jax.jit(jax.value_and_grad(fn, (0, 1)))
-      .lower(x, table_, targets)
-      .compile()
+      jax.jit(jax.value_and_grad(fn, (0, 1))).lower(*inputs).compile()
     )
     temp = compiled[name].memory_analysis().temp_size_in_bytes
-    out.append({"variant": name, "temp_bytes": int(temp)})
+    hlo = compiled[name].as_text()
+    kernels = overhead.kernel_summary(hlo)
+    # A loop's kernels are counted once, not once per chunk: the fused
+    # losses' bytes are not what they move, and are left out.
+    looped = re.search(r"\swhile\(", hlo) is not None
+    out.append(
+      {
+        "variant": name,
+        "temp_bytes": int(temp),
+        "kernels": None if looped else kernels["total"],
+        "mbytes": None if looped else kernels["mbytes"],
+      }
+    )
   if on_gpu:  # the loss, then alternating rounds, the median per variant
     for row in out:
       row["loss"] = float(compiled[row["variant"]](x, table_, targets)[0])
@@ -114,8 +153,7 @@ def main(argv=None):
   result = {
     "shape": f"{rows} rows (batch {args.batch} x {args.seq}), d_model"
     f" {args.d_model}, vocabulary {args.vocab}",
-    "device": jax.devices()[0].device_kind,
-    "jax": jax.__version__,
+    **deviceless.provenance(args.target),
     "rows": out,
   }
   print(table({"loss-head": result}))
@@ -132,12 +170,25 @@ def table(results: dict) -> str:
   out = []
   for r in results.values():
     base = r["rows"][0]
-    timed = "ms" in base
+    timed, moved = "ms" in base, "mbytes" in base  # moved: since 2026-11-27
     rows = [
       [
         x["variant"],
         f"{x['temp_bytes'] / GIB:.3f}",
         md.ratio(x["temp_bytes"] / base["temp_bytes"]),
+        *(
+          (
+            [
+              f"{x['kernels']}",
+              f"{x['mbytes']:,.0f}",
+              md.ratio(x["mbytes"] / base["mbytes"]),
+            ]
+            if x["mbytes"] is not None
+            else ["(a loop)", "", ""]
+          )
+          if moved
+          else []
+        ),
         *(
           [f"{x['ms']:.2f}", md.ratio(x["ms"] / base["ms"]), f"{x['loss']:.5f}"]
           if timed
@@ -147,6 +198,7 @@ def table(results: dict) -> str:
       for x in r["rows"]
     ]
     header = ["loss", "temp GiB (XLA)", "vs logits"]
+    header += ["kernels", "MB moved", "vs logits"] if moved else []
     header += ["ms (fwd+bwd)", "vs logits", "loss value"] if timed else []
     out += [
       f"{r['shape']}; on {r['device']} (jax {r['jax']}).",

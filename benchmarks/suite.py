@@ -63,6 +63,7 @@ CPU_JOBS = {
   " --update-only",
   "gpt2-kernels-h100": "gpt2.py --kernels --target h100"
   " --presets bf16-mixed,fp16-mixed,bf16-lean,bf16-sr-lean",
+  "loss-head-h100": "loss_head.py --target h100",
   "host-cost": "host_cost.py",
   "host-cost-deep": "host_cost.py --layers 74 --steps-per-round 30 --rounds 40",
   "zero1": "zero1.py",
@@ -88,6 +89,7 @@ DEVICELESS = {
   "overhead-kernels-h100",
   "overhead-kernels-h100-update",
   "gpt2-kernels-h100",
+  "loss-head-h100",
 }
 # CUDA 12's: the H100 target (deviceless.TARGETS) names CUDA 12.9.
 CUDA_PLUGINS = ("jax_cuda12_plugin",)
@@ -98,6 +100,10 @@ GPU_JOBS = {
   # that sums the finite check's gradients in a few concatenations.
   "gpt2-check": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
   " --rounds 3 --tag 'grouped finite check'",
+  # The same, on the code whose cross_entropy writes its backward pass out
+  # (2026-11-27): the whole logits read in one pass, not scattered into.
+  "gpt2-xent": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
+  " --rounds 3 --tag 'one-pass loss backward'",
   "gpt2-fused": "gpt2.py --loss fused --no-plain --autocast ''"
   " --presets bf16-mixed,fp16-mixed",
   # cuDNN's LayerNorm kernels in place of XLA's fusions (item 2's passes).

@@ -17,7 +17,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 VOCAB = 128  # ASCII
 
@@ -151,8 +150,41 @@ class GPT(nn.Module):
 
 
 def cross_entropy(logits, targets):
-  logits = logits.astype(jnp.float32)  # the loss in float32
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  """The mean cross-entropy of `logits` (..., vocab) at integer `targets`
+  (...), computed in float32 whatever the logits' dtype.
+
+  `optax.softmax_cross_entropy_with_integer_labels` of the float32 logits,
+  with a backward pass written out: `(softmax(logits) - one_hot(targets)) /
+  rows`, in float32 and rounded once to the logits' dtype, in one pass over
+  the logits. Autodiff of optax's loss writes the float32 softmax, scatters
+  the one-hot into it and casts the result: GPT-2 small's loss layer at batch
+  16 x 1024, compiled for an H100, moved 26.7 GB that way and 13.5 GB this
+  way (`benchmarks/loss_head.py --target h100`).
+  """
+  return _cross_entropy(logits, targets)
+
+
+@jax.custom_vjp
+def _cross_entropy(logits, targets):
+  return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _cross_entropy_fwd(logits, targets):
+  x = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  target = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+  return jnp.mean(lse - target), (logits, targets, lse)
+
+
+def _cross_entropy_bwd(res, g):
+  logits, targets, lse = res
+  probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+  hot = jnp.arange(logits.shape[-1]) == targets[..., None]
+  d_logits = (probs - hot) * (g / lse.size)
+  return d_logits.astype(logits.dtype), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def fused_cross_entropy(x, table, targets, chunk: int = 4096):

@@ -603,13 +603,29 @@ def test_loss_head_reads_xla_temporaries_of_both_losses():
       *("--vocab", "4096", "--chunks", "16,64"),
     ]
   )
-  temps = {r["variant"]: r["temp_bytes"] for r in result["rows"]}
-  assert list(temps) == ["logits", "fused (chunk 16)", "fused (chunk 64)"]
+  rows = {r["variant"]: r for r in result["rows"]}
+  temps = {name: r["temp_bytes"] for name, r in rows.items()}
+  optax_loss = "logits, optax's loss"
+  assert list(temps) == [
+    "logits",
+    optax_loss,
+    "fused (chunk 16)",
+    "fused (chunk 64)",
+  ]
   # 256 rows x 4096 logits: float32 logits of 16 or 64 rows at a time need
   # less than all 256 rows' logits and their float32 copies.
   assert temps["fused (chunk 16)"] < temps["fused (chunk 64)"] < temps["logits"]
+  # The written-out backward pass keeps no float32 softmax beside the
+  # logits.
+  assert temps["logits"] < temps[optax_loss]
+  # A loop's kernels would be counted once, not per chunk: left out (on
+  # XLA:CPU optax's loss has one too: its gradient's scatter).
+  assert rows["logits"]["mbytes"] > 0
+  assert rows["fused (chunk 16)"]["mbytes"] is None
+  assert rows[optax_loss]["mbytes"] is None
   assert "ms" not in result["rows"][0]  # CPU: not run, not timed
-  assert "| fused (chunk 16) |" in loss_head.table({"loss-head": result})
+  text = loss_head.table({"loss-head": result})
+  assert "| fused (chunk 16) |" in text and "(a loop)" in text
 
 
 def test_count_kernels_reads_entry_branches_and_loops():

@@ -1,5 +1,6 @@
-"""The GPT model's fused loss (examples/gpt_model.fused_cross_entropy):
-the cross-entropy of the tied-embedding logits, a chunk of rows at a time."""
+"""The GPT model's losses: `cross_entropy` of the logits, with its backward
+pass written out, and the fused loss (`fused_cross_entropy`): the
+cross-entropy of the tied-embedding logits, a chunk of rows at a time."""
 
 import os
 import pathlib
@@ -8,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jmp_train
@@ -78,6 +80,60 @@ def test_fused_loss_in_a_narrow_dtype_pulls_back_any_cotangent(dtype):
   for got, ref in ((dx, 2 * want[1]), (d_table, 2 * want[2])):
     got = np.asarray(got, np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def logits_reference(logits, targets):
+  """Loss and its gradient with respect to the logits, float64 NumPy."""
+  flat = logits.reshape(-1, logits.shape[-1])
+  shifted = flat - flat.max(-1, keepdims=True)
+  probs = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
+  rows = np.arange(len(flat))
+  loss = -np.mean(np.log(probs[rows, targets.reshape(-1)]))
+  d_logits = probs.copy()
+  d_logits[rows, targets.reshape(-1)] -= 1
+  return loss, (d_logits / len(flat)).reshape(logits.shape)
+
+
+@pytest.mark.parametrize(
+  "dtype, rtol",
+  [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)],
+)
+def test_cross_entropy_and_its_written_out_gradient_equal_float64_numpy(
+  dtype, rtol
+):
+  """(batch, seq, vocab) logits: the loss in float32, the logits' gradient
+  in their dtype, for a cotangent of 3 (not 1), and large logits (the
+  log-sum-exp must subtract the maximum)."""
+  rng = np.random.default_rng(2)
+  logits = jnp.asarray(rng.normal(size=(3, 5, 40)) * 8 + 60, dtype)
+  targets = rng.integers(0, 40, (3, 5))
+  loss, pull_back = jax.vjp(
+    lambda z: gpt_model.cross_entropy(z, jnp.asarray(targets)), logits
+  )
+  (d_logits,) = pull_back(jnp.asarray(3.0, jnp.float32))
+  assert loss.dtype == jnp.float32 and d_logits.dtype == dtype
+  want, want_grad = logits_reference(np.asarray(logits, np.float64), targets)
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  got = np.asarray(d_logits, np.float64)
+  np.testing.assert_allclose(got, 3 * want_grad, rtol=rtol, atol=rtol / 600)
+
+
+def test_cross_entropy_gradient_is_one_pass_without_a_scatter():
+  """The backward pass is written out: no scatter of the one-hot into a
+  float32 softmax, as autodiff of optax's loss gives."""
+  logits = jnp.zeros((64, 50), jnp.bfloat16)
+  targets = jnp.zeros((64,), jnp.int32)
+  grad = jax.jit(jax.grad(gpt_model.cross_entropy))
+  assert "scatter" not in grad.lower(logits, targets).as_text()
+
+  def optax_loss(z, t):
+    return optax.softmax_cross_entropy_with_integer_labels(
+      z.astype(jnp.float32), t
+    ).mean()
+
+  assert (
+    "scatter" in jax.jit(jax.grad(optax_loss)).lower(logits, targets).as_text()
+  )
 
 
 def test_the_model_with_targets_gives_the_loss_of_its_logits():
