@@ -184,6 +184,7 @@ def time_matmuls(sizes, recipes, rounds, warmup):
   for n in sizes:
     steps = dense_steps(n, recipes)
     for name, (step, args) in steps.items():
+      print(f"n={n} {name}: warming up", flush=True)
       start = time.perf_counter()
       for _ in range(warmup):
         jax.block_until_ready(step(*args))

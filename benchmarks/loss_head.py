@@ -92,6 +92,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.target:  # the GPU compiled for is not here: look for none
+    jax.config.update("jax_platforms", "cpu")
   rows = args.batch * args.seq
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(rows, args.d_model)), jnp.bfloat16)

@@ -160,7 +160,23 @@ def cross_entropy(logits, targets):
   the one-hot into it and casts the result: GPT-2 small's loss layer at batch
   16 x 1024, compiled for an H100, moved 26.7 GB that way and 13.5 GB this
   way (`benchmarks/loss_head.py --target h100`).
+
+  A negative target counts from the end of the vocabulary, as in optax (and
+  NumPy indexing); one outside [-vocab, vocab) gives a NaN loss. Forward-mode
+  autodiff (`jax.jvp`, `jax.jacfwd`) is not defined for it: a `custom_vjp`.
+
+  Raises:
+    ValueError: if `targets` is not integer-typed or its shape is not the
+      logits' without their last axis.
   """
+  targets = jnp.asarray(targets)
+  if not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise ValueError(f"targets must be integers, got dtype {targets.dtype}")
+  if targets.shape != logits.shape[:-1]:
+    raise ValueError(
+      f"targets must have the logits' shape without its last axis,"
+      f" {logits.shape[:-1]}; got {targets.shape}"
+    )
   return _cross_entropy(logits, targets)
 
 
@@ -170,6 +186,10 @@ def _cross_entropy(logits, targets):
 
 
 def _cross_entropy_fwd(logits, targets):
+  # take_along_axis counts a negative index from the end: so does the
+  # backward pass's one-hot, with the index made positive here.
+  vocab = logits.shape[-1]
+  targets = jnp.where(targets < 0, targets + vocab, targets)
   x = logits.astype(jnp.float32)
   lse = jax.nn.logsumexp(x, axis=-1)
   target = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]

@@ -126,7 +126,7 @@ def test_linen_transformer_with_float32_layers_runs_matmuls_in_bf16():
   model = fm.Transformer(fm.TransformerConfig())  # dtype=float32 everywhere
   inputs = jnp.array([[3, 4, 5, 0], [1, 2, 7, 9]], jnp.int32)
   targets = jnp.array([[2, 6, 1, 0], [4, 4, 8, 3]], jnp.int32)
-  params = model.init(jax.random.key(0), inputs, targets)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), inputs, targets)["params"]
   loss = _wmt_loss(model)
   grad = jax.grad(autocast(loss, BF16))
   found = _all_operands(grad, params, inputs, targets)
@@ -436,7 +436,8 @@ def test_a_custom_vjp_inside_shard_map_scales_a_varying_cotangent():
   want = jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w)))(W, X)
   np.testing.assert_allclose(jax.grad(fn)(W, X), want, rtol=1e-5)
   got = jax.jit(jax.grad(autocast(fn, BF16)))(W, X)
-  np.testing.assert_allclose(got, want, rtol=0.05, atol=0.02)
+  # The gradients are about 0.03; bfloat16 matmuls put them within 0.3%.
+  np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
 
 
 # -- what is never cast -----------------------------------------------------

@@ -374,7 +374,7 @@ def test_a_module_called_twice_combines_its_amaxes_by_max():
       return dense(x) + dense(3.0 * x)
 
   model, x = Twice(), jnp.asarray([[1.0, -2.0, 0.5]])
-  v = model.init(jax.random.key(0), x)
+  v = jax.jit(model.init)(jax.random.key(0), x)
   state = v["fp8_meta"]["Dense_0"]["Fp8DotGeneral_0"]["fp8"]
   assert len(state.amax) == 2
 
@@ -502,7 +502,7 @@ def test_update_after_max_over_micro_batches_and_devices_follows_the_rule():
     * np.array([[2, 16], [1, 0.5]])[..., None, None]
   )
   x, ct = jnp.asarray(x, jnp.float32), jnp.asarray(ct, jnp.float32)
-  v = model.init(jax.random.key(0), x[0, 0])
+  v = jax.jit(model.init)(jax.random.key(0), x[0, 0])
   meta = v["fp8_meta"]
 
   def device_grads(x, ct):

@@ -410,7 +410,7 @@ def test_modules_named_like_jax_scope_labels_keep_their_paths():
 
   model = jmp_train.linen.wrap(Model(), "float32", fp8="current")
   x = jnp.ones((2, 8))
-  v = model.init(jax.random.key(0), x)
+  v = jax.jit(model.init)(jax.random.key(0), x)
 
   def loss(params, meta):
     return jnp.sum(model.apply({"params": params, "fp8_meta": meta}, x))

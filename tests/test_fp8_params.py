@@ -7,6 +7,7 @@ scale, so the same FP8 operands); all-gather bytes read from the lowered
 module; memory against a count of bytes.
 """
 
+import functools
 import re
 
 import _models
@@ -160,7 +161,7 @@ def _wrapped(fp8_params, policy="p=f32,c=bf16,o=f32"):
 def test_linen_fp8_params_match_the_fp8_matmul_of_the_same_values():
   x = jax.random.normal(jax.random.key(1), (4, 12))
   model = _wrapped(True)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)  # one compile
   params = variables["params"]
   kinds = jax.tree.map(
     lambda p: type(p).__name__ if fp8.is_fp8_param(p) else p.dtype.name,
@@ -183,12 +184,13 @@ def test_linen_fp8_params_match_the_fp8_matmul_of_the_same_values():
     return jnp.sum(jnp.tanh(y))
 
   args = (variables["fp8_meta"],)
-  got, (g, g_meta) = jax.value_and_grad(loss, (1, 2), allow_int=True)(
-    model, fp8.with_grad_slots(params), *args
-  )
-  want, (g_ref, g_meta_ref) = jax.value_and_grad(loss, (1, 2))(
-    reference, plain, *args
-  )
+  # Jitted, each a compile rather than an op-by-op dispatch of every cast.
+  got, (g, g_meta) = jax.jit(
+    jax.value_and_grad(functools.partial(loss, model), (0, 1), allow_int=True)
+  )(fp8.with_grad_slots(params), *args)
+  want, (g_ref, g_meta_ref) = jax.jit(
+    jax.value_and_grad(functools.partial(loss, reference), (0, 1))
+  )(plain, *args)
   assert got == want
   g = fp8.grads_of(g)
   # The float32 kernel's gradient leaves the matmul in the compute dtype
@@ -239,7 +241,7 @@ def test_zero1_step_gathers_fp8_bytes_and_trains_like_bf16_params():
   runs = {}
   for fp8_params in (False, True):
     model = _wrapped(fp8_params, "p=bf16,c=bf16,o=f32")
-    variables = model.init(jax.random.key(0), x[:2])
+    variables = jax.jit(model.init)(jax.random.key(0), x[:2])
     tx = jmp.mixed_precision(optax.adam(1e-2))
     plan = zero1.make_plan(tx, variables["params"], mesh)
     state = train.TrainState.create(

@@ -118,6 +118,26 @@ def test_cross_entropy_and_its_written_out_gradient_equal_float64_numpy(
   np.testing.assert_allclose(got, 3 * want_grad, rtol=rtol, atol=rtol / 600)
 
 
+def test_cross_entropy_counts_negative_targets_from_the_end_like_optax():
+  """A negative target is the class that many from the end, in the loss
+  and in its gradient alike (the gradient once missed it); a target outside
+  the vocabulary gives a NaN loss; a wrong dtype or shape is refused."""
+  rng = np.random.default_rng(3)
+  logits = jnp.asarray(rng.normal(size=(4, 9)), jnp.float32)
+  targets = np.array([-1, 3, -9, 8])
+  loss, grad = jax.value_and_grad(gpt_model.cross_entropy)(logits, targets)
+  want, want_grad = logits_reference(
+    np.asarray(logits, np.float64), targets % 9
+  )
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-8)
+  assert np.isnan(gpt_model.cross_entropy(logits, np.array([0, 9, 1, 2])))
+  with pytest.raises(ValueError, match="targets must be integers, got"):
+    gpt_model.cross_entropy(logits, np.zeros(4, np.float32))
+  with pytest.raises(ValueError, match=r"without its last axis, \(4,\); got"):
+    gpt_model.cross_entropy(logits, np.zeros((4, 1), np.int32))
+
+
 def test_cross_entropy_gradient_is_one_pass_without_a_scatter():
   """The backward pass is written out: no scatter of the one-hot into a
   float32 softmax, as autodiff of optax's loss gives."""

@@ -587,7 +587,7 @@ def test_respect_dtype_fields_refuses_a_pattern_that_selects_nothing():
     model = mp_linen.wrap(
       HeadAndUpcast(), BF16_MIXED, respect_dtype_fields=respect
     )
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
     out = model.apply(variables, x)
     np.testing.assert_array_equal(out, np.float32(dtype(1 / 3)))
     assert model.apply(variables, x, method="features").shape == (2, 2)
@@ -723,7 +723,7 @@ def test_an_override_output_dtype_is_what_the_layers_after_it_see():
       Net(), "p=f32,c=bf16,o=f32", overrides={Block: override}
     )
     x = jnp.ones((2, 4))
-    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
     found = jmp_train.fp8.matmuls(
       lambda p: model.apply({"params": p}, x), params
     )

@@ -220,7 +220,7 @@ def test_fp8_statistics_follow_the_numpy_rule_and_hold_on_a_skipped_step(
   x = rng.standard_normal((8, 6)).astype(np.float32)
   x[0, :3] = [600.0, -1000.0, 1e-4]  # saturate at scale 1; flush below 2^-10
   x[1, :2] = [2e-7, 0.0]
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   params = variables["params"]
 
   def loss_fn(params, batch, model_state, key):

@@ -440,7 +440,7 @@ def test_fp8_metadata_advances_in_the_state_and_holds_on_a_skipped_step(
     fp8=recipe,
   )
   x0 = jnp.ones((1, 8))
-  variables = model.init(jax.random.key(0), x0)
+  variables = jax.jit(model.init)(jax.random.key(0), x0)
   params, meta = variables["params"], variables["fp8_meta"]
 
   def loss_fn(params, batch, model_state, key):

@@ -1385,6 +1385,7 @@ def _outputs_without_a_buffer(compiled, outputs) -> list[str]:
   """The outputs of a compiled step that XLA writes into no donated input's
   buffer (read from the module's `input_output_alias`)."""
   config = re.search(r"input_output_alias=\{(.*?) \}", compiled.as_text())
+  assert config is not None, "the compiled module aliases no output"
   aliased = {int(i) for i in re.findall(r"\{(\d+)\}: \(", config[1])}
   flat = jax.tree_util.tree_flatten_with_path(outputs)[0]
   return [

@@ -418,8 +418,11 @@ def _in_place_of(old: jax.Array, new: jax.Array) -> jax.Array:
   step's CUDA graph is updated with the new address (`command_buffer::update`,
   51 us a call in the H200's trace of `benchmarks/overhead.py
   --update-only`). XLA folds the select away; the input stays, and the
-  output is written into its buffer.
+  output is written into its buffer. (Where the two differ in shape or
+  dtype, a state from elsewhere, `new` as it is: no promotion.)
   """
+  if jnp.shape(old) != jnp.shape(new) or jnp.result_type(old) != new.dtype:
+    return new
   return jnp.where(True, new, old)
 
 
