@@ -277,14 +277,15 @@ def test_two_word_arithmetic_against_python_ints():
 
 def test_stream_bits_of_an_array_beyond_two_to_the_32_values():
   # A stacked layer's bf16 param can pass 2**32 values: its counters take
-  # two words (shapes only here; the arithmetic is tested above).
+  # two words (shapes only here; the arithmetic is tested above). A stack
+  # of one layer puts a stride of 2**32 on an axis of one value.
   key = rounding.stream_key(0, rounding.PARAM_STREAM, 0)
-  shape = (80, 8192, 28672)
-  for grouped in (True, False):
-    (out,) = jax.eval_shape(
-      lambda k, g=grouped: rounding.stream_bits(k, [shape], g), key
-    )
-    assert out.shape == shape and out.dtype == jnp.uint16
+  for shape in [(80, 8192, 28672), (1, 2**16, 2**16)]:
+    for grouped in (True, False):
+      (out,) = jax.eval_shape(
+        lambda k, g=grouped, s=shape: rounding.stream_bits(k, [s], g), key
+      )
+      assert out.shape == shape and out.dtype == jnp.uint16
 
 
 def test_stream_bits_count_past_two_to_the_32():

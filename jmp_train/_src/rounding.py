@@ -265,13 +265,17 @@ def counters(start: int, shape: tuple, layout: Any = None) -> tuple:
   lo = jnp.full(shape, start & 0xFFFFFFFF, jnp.uint32, out_sharding=layout)
   stride = 1
   for axis in reversed(range(len(shape))):
-    iota = jax.lax.broadcasted_iota(
-      jnp.uint32, shape, axis, out_sharding=layout
-    )
-    if stride * (shape[axis] - 1) < ONE_WORD:  # the product fits one word
-      hi, lo = add_wide(hi, lo, jnp.zeros_like(iota), iota * jnp.uint32(stride))
-    else:
-      hi, lo = add_wide(hi, lo, *mul_wide(iota, stride))
+    # An axis of one value (or none) adds nothing to any counter, and its
+    # stride may not fit one word: (1, 2**32) would not make a uint32.
+    if shape[axis] > 1:
+      iota = jax.lax.broadcasted_iota(
+        jnp.uint32, shape, axis, out_sharding=layout
+      )
+      if stride * (shape[axis] - 1) < ONE_WORD:  # the product fits a word
+        zero = jnp.zeros_like(iota)
+        hi, lo = add_wide(hi, lo, zero, iota * jnp.uint32(stride))
+      else:
+        hi, lo = add_wide(hi, lo, *mul_wide(iota, stride))
     stride *= shape[axis]
   return hi, lo
 
