@@ -169,15 +169,41 @@ def cross_entropy(logits, targets):
     ValueError: if `targets` is not integer-typed or its shape is not the
       logits' without their last axis.
   """
+  targets = _checked_targets(targets, logits.shape[:-1], logits.shape[-1])
+  return _cross_entropy(logits, targets)
+
+
+def _checked_targets(targets, shape: tuple, vocab: int) -> jax.Array:
+  """`targets` checked against the rows' `shape`, each negative one made
+  its class counted from the end: `take_along_axis` counts so in the
+  forward pass, and the backward pass's one-hot must pick the same class.
+
+  Raises:
+    ValueError: for targets not integer-typed or not of shape `shape`.
+  """
   targets = jnp.asarray(targets)
   if not jnp.issubdtype(targets.dtype, jnp.integer):
     raise ValueError(f"targets must be integers, got dtype {targets.dtype}")
-  if targets.shape != logits.shape[:-1]:
+  if targets.shape != shape:
     raise ValueError(
       f"targets must have the logits' shape without its last axis,"
-      f" {logits.shape[:-1]}; got {targets.shape}"
+      f" {shape}; got {targets.shape}"
     )
-  return _cross_entropy(logits, targets)
+  return jnp.where(targets < 0, targets + vocab, targets)
+
+
+def _lse_and_target(logits, targets):
+  """Each row's log-sum-exp and target logit, in float32."""
+  x = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  return lse, jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+
+
+def _softmax_minus_one_hot(logits, lse, targets):
+  """The loss's gradient per row, unscaled: `softmax(logits) -
+  one_hot(targets)` in float32, from the rows' log-sum-exp."""
+  probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+  return probs - (jnp.arange(logits.shape[-1]) == targets[..., None])
 
 
 @jax.custom_vjp
@@ -186,21 +212,13 @@ def _cross_entropy(logits, targets):
 
 
 def _cross_entropy_fwd(logits, targets):
-  # take_along_axis counts a negative index from the end: so does the
-  # backward pass's one-hot, with the index made positive here.
-  vocab = logits.shape[-1]
-  targets = jnp.where(targets < 0, targets + vocab, targets)
-  x = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(x, axis=-1)
-  target = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+  lse, target = _lse_and_target(logits, targets)
   return jnp.mean(lse - target), (logits, targets, lse)
 
 
 def _cross_entropy_bwd(res, g):
   logits, targets, lse = res
-  probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
-  hot = jnp.arange(logits.shape[-1]) == targets[..., None]
-  d_logits = (probs - hot) * (g / lse.size)
+  d_logits = _softmax_minus_one_hot(logits, lse, targets) * (g / lse.size)
   return d_logits.astype(logits.dtype), None
 
 
@@ -219,7 +237,8 @@ def fused_cross_entropy(x, table, targets, chunk: int = 4096):
   chunk's (chunk, vocab) float32 logits, not the (rows, vocab) logits in the
   compute dtype plus their float32 copies and gradients: for GPT-2 small at
   batch 16 x 1024 those are 1.6 GB in bfloat16 and 3.3 GB per float32 copy.
-  The price is the logits matmul once more in the backward pass.
+  The price is the logits matmul once more in the backward pass. Targets
+  are checked and counted as `cross_entropy` counts them.
   """
   try:
     rows = operator.index(chunk)
@@ -227,6 +246,7 @@ def fused_cross_entropy(x, table, targets, chunk: int = 4096):
     rows = 0
   if rows < 1:
     raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+  targets = _checked_targets(targets, x.shape[:1], table.shape[0])
   return _fused_ce(min(rows, x.shape[0]), x, table, targets)
 
 
@@ -260,9 +280,7 @@ def _fused_ce_fwd(chunk, x, table, targets):
 
   def one(_, inputs):
     xc, tc = inputs
-    logits = _chunk_logits(xc, table)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+    lse, target = _lse_and_target(_chunk_logits(xc, table), tc)
     return None, (lse, lse - target)
 
   _, (lse, nll) = jax.lax.scan(one, None, (xs, ts))
@@ -277,8 +295,7 @@ def _fused_ce_bwd(chunk, res, g):
 
   def one(d_table, inputs):
     xc, tc, lse_c, valid_c = inputs
-    probs = jnp.exp(_chunk_logits(xc, table) - lse_c[:, None])
-    d_logits = probs - jax.nn.one_hot(tc, table.shape[0], dtype=probs.dtype)
+    d_logits = _softmax_minus_one_hot(_chunk_logits(xc, table), lse_c, tc)
     d_logits = jnp.where(valid_c[:, None], d_logits * scale, 0.0)
     d_logits = d_logits.astype(x.dtype)  # as the logits' cast would give
     dxc = jnp.matmul(d_logits, table, preferred_element_type=jnp.float32)

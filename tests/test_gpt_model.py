@@ -40,7 +40,8 @@ def test_fused_loss_and_gradients_equal_float64_numpy(chunk):
   rng = np.random.default_rng(chunk)
   x = rng.normal(size=(37, 16))  # 37 rows: chunks of 8 and 13 pad the last
   table = rng.normal(size=(50, 16))
-  targets = rng.integers(0, 50, 37)
+  # Negative targets count from the end, as NumPy's indexing in `reference`.
+  targets = rng.integers(-50, 50, 37)
   want = reference(x, table, targets)
   loss_fn = jax.jit(
     jax.value_and_grad(gpt_model.fused_cross_entropy, (0, 1)),
@@ -210,6 +211,8 @@ def test_the_fused_loss_refuses_what_it_cannot_do(capsys):
   for bad in (0, 2.0, None):
     with pytest.raises(ValueError, match=f"positive int, got {bad!r}"):
       gpt_model.fused_cross_entropy(x, jnp.ones((5, 8)), jnp.zeros(4, int), bad)
+  with pytest.raises(ValueError, match="targets must be integers, got"):
+    gpt_model.fused_cross_entropy(x, jnp.ones((5, 8)), jnp.zeros(4), 2)
   # The fused loss's float32 logits would be autocast: refused.
   with pytest.raises(SystemExit):  # refused by its argument checks
     gpt2.parse_args(["--tiny", "--loss", "fused"])
