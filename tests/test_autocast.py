@@ -381,20 +381,19 @@ def test_cudnn_attention_under_autocast_compiles_for_a_gpu():
   assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo
 
 
+def _rows_over_data(local):
+  """`fn(w, x)` running `local` under shard_map on the 8-device "data" mesh:
+  `w` whole on each device, `x`'s rows split, one replicated result."""
+  return jax.shard_map(
+    local,
+    mesh=_models.mesh(),
+    in_specs=(jax.P(), jax.P("data")),
+    out_specs=jax.P(),
+  )
+
+
 def test_shard_map_with_psum():
-  mesh = _models.mesh()
-
-  def fn(w, x):
-    def local(w, x):
-      return lax.psum(jnp.sum(jnp.tanh(x @ w)), "data")
-
-    return jax.shard_map(
-      local,
-      mesh=mesh,
-      in_specs=(jax.P(), jax.P("data")),
-      out_specs=jax.P(),
-    )(w, x)
-
+  fn = _rows_over_data(lambda w, x: lax.psum(jnp.sum(jnp.tanh(x @ w)), "data"))
   f = autocast(fn, BF16)
   assert dtypes_of(jax.jit(jax.grad(f)), W, X)  # traced through
   assert set(dtypes_of(jax.grad(f), W, X)) == {("bfloat16", "bfloat16")}
@@ -408,8 +407,6 @@ def test_a_custom_vjp_inside_shard_map_scales_a_varying_cotangent():
   # traced bwd with cotangents typed as replicated, and shard_map's check
   # then refused `varying / constant` ("div requires varying manual axes
   # to match").
-  mesh = _models.mesh()
-
   @jax.custom_vjp
   def mean_tanh(a):
     return jnp.mean(jnp.tanh(a))
@@ -421,18 +418,7 @@ def test_a_custom_vjp_inside_shard_map_scales_a_varying_cotangent():
     return ((1 - jnp.tanh(a) ** 2) * (g / a.size),)
 
   mean_tanh.defvjp(fwd, bwd)
-
-  def fn(w, x):
-    def local(w, x):
-      return lax.pmean(mean_tanh(x @ w), "data")
-
-    return jax.shard_map(
-      local,
-      mesh=mesh,
-      in_specs=(jax.P(), jax.P("data")),
-      out_specs=jax.P(),
-    )(w, x)
-
+  fn = _rows_over_data(lambda w, x: lax.pmean(mean_tanh(x @ w), "data"))
   want = jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w)))(W, X)
   np.testing.assert_allclose(jax.grad(fn)(W, X), want, rtol=1e-5)
   got = jax.jit(jax.grad(autocast(fn, BF16)))(W, X)
