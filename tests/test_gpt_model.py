@@ -22,16 +22,22 @@ import gpt2  # noqa: E402
 import gpt_model  # noqa: E402
 
 
-def reference(x, table, targets):
-  """Loss and gradients in float64 NumPy, written out."""
-  logits = x @ table.T
-  shifted = logits - logits.max(-1, keepdims=True)
+def logits_reference(logits, targets):
+  """Loss and its gradient with respect to the logits, float64 NumPy,
+  written out (a negative target indexes from the end, as NumPy does)."""
+  flat = logits.reshape(-1, logits.shape[-1])
+  shifted = flat - flat.max(-1, keepdims=True)
   probs = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
-  rows = np.arange(len(targets))
-  loss = -np.mean(np.log(probs[rows, targets]))
+  rows = np.arange(len(flat))
+  loss = -np.mean(np.log(probs[rows, targets.reshape(-1)]))
   d_logits = probs.copy()
-  d_logits[rows, targets] -= 1
-  d_logits /= len(targets)
+  d_logits[rows, targets.reshape(-1)] -= 1
+  return loss, (d_logits / len(flat)).reshape(logits.shape)
+
+
+def reference(x, table, targets):
+  """Loss and gradients of the loss of `x @ table.T`, float64 NumPy."""
+  loss, d_logits = logits_reference(x @ table.T, targets)
   return loss, d_logits @ table, d_logits.T @ x
 
 
@@ -81,18 +87,6 @@ def test_fused_loss_in_a_narrow_dtype_pulls_back_any_cotangent(dtype):
   for got, ref in ((dx, 2 * want[1]), (d_table, 2 * want[2])):
     got = np.asarray(got, np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
-
-
-def logits_reference(logits, targets):
-  """Loss and its gradient with respect to the logits, float64 NumPy."""
-  flat = logits.reshape(-1, logits.shape[-1])
-  shifted = flat - flat.max(-1, keepdims=True)
-  probs = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
-  rows = np.arange(len(flat))
-  loss = -np.mean(np.log(probs[rows, targets.reshape(-1)]))
-  d_logits = probs.copy()
-  d_logits[rows, targets.reshape(-1)] -= 1
-  return loss, (d_logits / len(flat)).reshape(logits.shape)
 
 
 @pytest.mark.parametrize(
