@@ -38,7 +38,9 @@ from jmp_train._src.fp8_recipe import (
   FP8_MAX,
   cast_fractions,
   current_scale,
+  from_residual,
   quantize,
+  to_residual,
 )
 
 
@@ -200,7 +202,8 @@ def _block_dot_fwd(cfg, lhs, rhs, amax):
   if cfg.statistics:  # of the forward casts
     amax_x = _with_fractions(amax_x, tile_fractions(x, (1, blk), s_x, q_x))
     amax_w = _with_fractions(amax_w, tile_fractions(w, (blk, blk), s_w, q_w))
-  return y.astype(cfg.out_dtype), (q_xc, s_xc, q_w, s_w, amax_x, amax_w)
+  bits = to_residual(q_xc), to_residual(q_w)
+  return y.astype(cfg.out_dtype), (bits, s_xc, s_w, amax_x, amax_w)
 
 
 def _with_fractions(amax, fractions):
@@ -208,7 +211,8 @@ def _with_fractions(amax, fractions):
 
 
 def _block_dot_bwd(cfg, res, g):
-  q_xc, s_xc, q_w, s_w, amax_x, amax_w = res
+  (bits_xc, bits_w), s_xc, s_w, amax_x, amax_w = res
+  q_xc, q_w = from_residual(bits_xc, E4M3), from_residual(bits_w, E4M3)
   batch, m, _ = q_xc.shape
   n = q_w.shape[2]
   blk, pow2 = cfg.block_size, cfg.power_of_two_scales

@@ -39,7 +39,9 @@ from jmp_train._src.fp8_recipe import (
   Recipe,
   cast_fractions,
   current_scale,
+  from_residual,
   is_delayed,
+  to_residual,
 )
 from jmp_train._src.fp8_recipe import amax as _amax
 from jmp_train._src.fp8_recipe import quantize as _quantize
@@ -118,11 +120,14 @@ def _fp8_dot_fwd(cfg, lhs, rhs, scale, amax):
   y = (y * (1.0 / s_lhs) * (1.0 / s_rhs)).astype(cfg.out_dtype)
   sent_lhs = _channel(cfg, amax_lhs, lhs, s_lhs, q_lhs, cfg.forward_dtype)
   sent_rhs = _channel(cfg, amax_rhs, rhs, s_rhs, q_rhs, cfg.forward_dtype)
-  return y, (q_lhs, q_rhs, s_lhs, s_rhs, scale, sent_lhs, sent_rhs)
+  bits = to_residual(q_lhs), to_residual(q_rhs)
+  return y, (*bits, s_lhs, s_rhs, scale, sent_lhs, sent_rhs)
 
 
 def _fp8_dot_bwd(cfg, res, g):
-  q_lhs, q_rhs, s_lhs, s_rhs, scale, sent_lhs, sent_rhs = res
+  bits_lhs, bits_rhs, s_lhs, s_rhs, scale, sent_lhs, sent_rhs = res
+  q_lhs = from_residual(bits_lhs, cfg.forward_dtype)
+  q_rhs = from_residual(bits_rhs, cfg.forward_dtype)
   amax_g = _amax(g)
   s_g = _scale_of(cfg, amax_g, scale[2], cfg.backward_dtype)
   q_g = _quantize(g, s_g, cfg.backward_dtype)
@@ -170,11 +175,15 @@ def _param_dot_fwd(cfg, lhs, rhs, scale, amax):
   # The weight's amax, from its FP8 values (exact: they were cast with a
   # power-of-two scale, and none saturated).
   sent_rhs = _amax(q_rhs) * inv_rhs
-  return y, (q_lhs, q_rhs, s_lhs, inv_rhs, scale, sent_lhs, sent_rhs, rhs)
+  # The kernel's FP8 values come back from `rhs`, whose data is uint8.
+  res = (to_residual(q_lhs), s_lhs, inv_rhs, scale, sent_lhs, sent_rhs, rhs)
+  return y, res
 
 
 def _param_dot_bwd(cfg, res, g):
-  q_lhs, q_rhs, s_lhs, inv_rhs, scale, sent_lhs, sent_rhs, rhs = res
+  bits_lhs, s_lhs, inv_rhs, scale, sent_lhs, sent_rhs, rhs = res
+  q_lhs = from_residual(bits_lhs, cfg.forward_dtype)
+  q_rhs = rhs.values
   if not isinstance(rhs, Fp8ParamWithGrad):
     raise ValueError(
       "An FP8 matmul was differentiated through an Fp8Param kernel that has "

@@ -310,6 +310,26 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   return y.astype(dtype)
 
 
+def to_residual(q: jax.Array) -> jax.Array:
+  """FP8 values `q` as their bit patterns (uint8), to be saved for the
+  backward pass; `from_residual` gives them back.
+
+  `jax.checkpoint` (`nn.remat`) passes every floating residual it saves
+  through `lax.reduce_precision` with its dtype's exponent and mantissa bits
+  (jax 0.10 and 0.11), which follows IEEE's layout: E4M3 has no infinities
+  and keeps values of 256 to 448 in its top exponent, so a saved E4M3
+  residual came back NaN wherever it held 256 or more (every tensor cast
+  with current scaling, whose amax maps to 448). Integers are saved as they
+  are.
+  """
+  return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def from_residual(bits: jax.Array, dtype: Any) -> jax.Array:
+  """The FP8 values of `to_residual`'s bit patterns, as `dtype`."""
+  return jax.lax.bitcast_convert_type(bits, dtype)
+
+
 def cast_fractions(
   x: jax.Array, scale: jax.Array, q: jax.Array, dtype: Any
 ) -> jax.Array:
