@@ -2,15 +2,19 @@
 pass written out, and the fused loss (`fused_cross_entropy`): the
 cross-entropy of the tied-embedding logits, a chunk of rows at a time."""
 
+import contextlib
+import io
 import os
 import pathlib
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 import jmp_train
 
@@ -301,3 +305,64 @@ def test_platform_gpu_asks_for_cudnn_attention_where_it_applies():
     gpt_model.GPT(layers=1, d_model=16, heads=2, seq_len=8, platform="cuda")
   with pytest.raises(ValueError, match="needs fused_attention=True"):
     gpt_model.GPT(layers=1, d_model=16, heads=2, seq_len=8, platform="gpu")
+
+
+class PlainBlock(gpt_model.Block):
+  """GPT's block as GPT-2 writes it: autodiff keeps what it likes."""
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    attn = gpt_model.CausalSelfAttention(self.heads, name="attn")
+    x = x + attn(nn.LayerNorm()(x))
+    h = nn.gelu(nn.Dense(4 * d, name="fc")(nn.LayerNorm()(x)))
+    return x + nn.Dense(d, name="out")(h)
+
+
+def test_the_mlp_keeps_its_matmul_output_and_recomputes_bias_and_gelu(
+  monkeypatch,
+):
+  """Per layer the backward pass reads two (batch, seq, 4 d_model) arrays
+  from the forward pass, fc's matmul output and the GELU's output (the next
+  matmul's input), where autodiff of GPT-2's block keeps six; loss and
+  gradients are the plain block's."""
+  d, layers = 16, 2
+  base = gpt_model.GPT(layers=layers, d_model=d, heads=2, seq_len=8)
+  tokens = jnp.asarray(
+    np.random.default_rng(0).integers(0, gpt_model.VOCAB, (2, 9)), jnp.int32
+  )
+  wide = f"[2,8,{4 * d}]"
+
+  def loss(model):
+    def f(params):
+      logits = model.apply({"params": params}, tokens[:, :-1])
+      return gpt_model.cross_entropy(logits, tokens[:, 1:])
+
+    return f
+
+  def saved(model, params):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      print_saved_residuals(loss(model), params)
+    return out.getvalue().splitlines()
+
+  params = base.init(jax.random.key(0), tokens[:, :-1])["params"]
+  bf16 = jmp_train.linen.wrap(base, jmp_train.get_preset("bf16-mixed").policy)
+  for model, dtype in ((base, "f32"), (bf16, "bf16")):
+    kept = [x for x in saved(model, params) if wide in x]
+    assert len(kept) == 2 * layers, kept
+    assert sum("output of dot_general" in x for x in kept) == layers
+    assert all(x.startswith(dtype + wide) for x in kept)
+  # Under the policy fc's kernel is cast once, its bfloat16 copy kept.
+  casts = [x for x in saved(bf16, params) if "convert_element_type" in x]
+  assert sum(x.startswith(f"bf16[{d},{4 * d}]") for x in casts) == layers
+
+  value, grads = jax.value_and_grad(loss(base))(params)
+  monkeypatch.setattr(gpt_model, "Block", PlainBlock)
+  assert len([x for x in saved(base, params) if wide in x]) == 6 * layers
+  want, want_grads = jax.value_and_grad(loss(base))(params)
+  np.testing.assert_allclose(value, want, rtol=1e-6)
+  for got, ref in zip(
+    jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True
+  ):
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
