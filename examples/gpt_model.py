@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_train import fp8
+
 VOCAB = 128  # ASCII
 
 _GPT2 = dict(vocab=50257, seq_len=1024, tied=True)
@@ -104,19 +106,25 @@ class Block(nn.Module):
 
 def _saved_by_fc_gelu(prim, *avals, **params) -> bool:
   """What the backward pass of `_fc_gelu` reads from its forward pass: the
-  matmul's output, and casts of arrays of rank 2 or less (the layer's kernel
-  and bias, cast by a precision policy, so not cast again). The bias add
-  and the GELU are recomputed from the matmul's output.
+  matmul's output (a plain matmul's, or under `jmp_train`'s FP8 the
+  matmul's output and its FP8 operands, by their checkpoint names), and
+  casts to 16-bit floats of arrays of rank 2 or less (in this function, a
+  precision policy's casts of the kernel and bias, so not cast again). The
+  bias add and the GELU are recomputed from the matmul's output.
 
-  Not casts to FP8: `jax.checkpoint` passes a saved float through
-  `lax.reduce_precision`, which turns E4M3 values of 256 or more into NaN
-  (`jmp_train`'s FP8 matmuls save their operands as bytes instead).
+  Not the dots of FP8 operands: `dots_saveable` would keep their float32
+  product (and under blockwise scaling every K-block's partial product).
+  Not casts to FP8 either: `jax.checkpoint` passes a saved float through
+  `lax.reduce_precision`, which turns E4M3 values of 256 or more into NaN.
   """
-  if jax.checkpoint_policies.dots_saveable(prim, *avals, **params):
-    return True
-  if prim is not jax.lax.convert_element_type_p or avals[0].ndim > 2:
-    return False
-  return jnp.dtype(params["new_dtype"]).itemsize > 1
+  if prim is jax.lax.dot_general_p:
+    return not any(a.dtype.itemsize == 1 for a in avals)
+  if prim is jax.lax.convert_element_type_p:
+    return avals[0].ndim <= 2 and jnp.dtype(params["new_dtype"]).itemsize == 2
+  return _SAVED_FP8(prim, *avals, **params)
+
+
+_SAVED_FP8 = jax.checkpoint_policies.save_only_these_names(*fp8.REMAT_NAMES)
 
 
 @functools.partial(nn.remat, policy=_saved_by_fc_gelu)

@@ -319,12 +319,15 @@ class PlainBlock(gpt_model.Block):
     return x + nn.Dense(d, name="out")(h)
 
 
+@pytest.mark.parametrize("fp8_recipe", [None, "current", "blockwise"])
 def test_the_mlp_keeps_its_matmul_output_and_recomputes_bias_and_gelu(
-  monkeypatch,
+  monkeypatch, fp8_recipe
 ):
-  """Per layer the backward pass reads two (batch, seq, 4 d_model) arrays
-  from the forward pass, fc's matmul output and the GELU's output (the next
-  matmul's input), where autodiff of GPT-2's block keeps six; loss and
+  """Per layer the backward pass reads at most two (batch, seq, 4 d_model)
+  arrays from the forward pass, none in float32 under bf16-mixed: fc's
+  output and the GELU's (the next matmul's input, or under FP8 its bytes),
+  where autodiff of GPT-2's block keeps more. Under FP8 the dot's float32
+  product is not kept, nor under blockwise scaling each K-block's. Loss and
   gradients are the plain block's."""
   d, layers = 16, 2
   base = gpt_model.GPT(layers=layers, d_model=d, heads=2, seq_len=8)
@@ -332,37 +335,53 @@ def test_the_mlp_keeps_its_matmul_output_and_recomputes_bias_and_gelu(
     np.random.default_rng(0).integers(0, gpt_model.VOCAB, (2, 9)), jnp.int32
   )
   wide = f"[2,8,{4 * d}]"
+  bf16 = jmp_train.get_preset("bf16-mixed").policy
+  models = {"bf16": jmp_train.linen.wrap(base, bf16, fp8=fp8_recipe)}
+  if fp8_recipe is None:
+    models["f32"] = base
+  variables = {
+    k: jax.jit(m.init)(jax.random.key(0), tokens[:, :-1])
+    for k, m in models.items()
+  }
 
   def loss(model):
-    def f(params):
-      logits = model.apply({"params": params}, tokens[:, :-1])
+    def f(params, rest):
+      logits = model.apply({"params": params, **rest}, tokens[:, :-1])
       return gpt_model.cross_entropy(logits, tokens[:, 1:])
 
     return f
 
-  def saved(model, params):
+  def split(name):  # params, and the FP8 metadata where there is some
+    rest = dict(variables[name])
+    return rest.pop("params"), rest
+
+  def saved(name):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      print_saved_residuals(loss(model), params)
+      print_saved_residuals(loss(models[name]), *split(name))
     return out.getvalue().splitlines()
 
-  params = base.init(jax.random.key(0), tokens[:, :-1])["params"]
-  bf16 = jmp_train.linen.wrap(base, jmp_train.get_preset("bf16-mixed").policy)
-  for model, dtype in ((base, "f32"), (bf16, "bf16")):
-    kept = [x for x in saved(model, params) if wide in x]
-    assert len(kept) == 2 * layers, kept
-    assert sum("output of dot_general" in x for x in kept) == layers
-    assert all(x.startswith(dtype + wide) for x in kept)
-  # Under the policy fc's kernel is cast once, its bfloat16 copy kept.
-  casts = [x for x in saved(bf16, params) if "convert_element_type" in x]
-  assert sum(x.startswith(f"bf16[{d},{4 * d}]") for x in casts) == layers
+  def value_and_grads(name):
+    f = jax.value_and_grad(loss(models[name]), (0, 1))
+    return jax.jit(f)(*split(name))
 
-  value, grads = jax.value_and_grad(loss(base))(params)
+  for name in models:
+    kept = [x for x in saved(name) if wide in x]
+    assert 0 < len(kept) <= 2 * layers, kept
+    dtypes = ("f32",) if name == "f32" else ("bf16", "u8")  # u8: FP8 bytes
+    assert all(x.split("[")[0] in dtypes for x in kept), kept
+  if fp8_recipe is None:
+    # Under the policy fc's kernel is cast once, its bfloat16 copy kept.
+    casts = [x for x in saved("bf16") if "convert_element_type" in x]
+    assert sum(x.startswith(f"bf16[{d},{4 * d}]") for x in casts) == layers
+  else:
+    f32_dots = [x for x in saved("bf16") if x.startswith("f32[")]
+    assert not [x for x in f32_dots if "dot_general" in x], f32_dots
+
+  want = {name: value_and_grads(name) for name in models}
   monkeypatch.setattr(gpt_model, "Block", PlainBlock)
-  assert len([x for x in saved(base, params) if wide in x]) == 6 * layers
-  want, want_grads = jax.value_and_grad(loss(base))(params)
-  np.testing.assert_allclose(value, want, rtol=1e-6)
-  for got, ref in zip(
-    jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True
-  ):
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+  for name in models:
+    assert len([x for x in saved(name) if wide in x]) > 2 * layers
+    got, ref = value_and_grads(name), want[name]
+    for g, w in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)

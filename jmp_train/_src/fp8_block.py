@@ -32,10 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jmp_train._src.fp8_recipe import (
   E4M3,
   FP8_MAX,
+  OUTPUT_NAME,
   cast_fractions,
   current_scale,
   from_residual,
@@ -202,8 +204,9 @@ def _block_dot_fwd(cfg, lhs, rhs, amax):
   if cfg.statistics:  # of the forward casts
     amax_x = _with_fractions(amax_x, tile_fractions(x, (1, blk), s_x, q_x))
     amax_w = _with_fractions(amax_w, tile_fractions(w, (blk, blk), s_w, q_w))
+  y = checkpoint_name(y.astype(cfg.out_dtype), OUTPUT_NAME)
   bits = to_residual(q_xc), to_residual(q_w)
-  return y.astype(cfg.out_dtype), (bits, s_xc, s_w, amax_x, amax_w)
+  return y, (bits, s_xc, s_w, amax_x, amax_w)
 
 
 def _with_fractions(amax, fractions):

@@ -29,12 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jmp_train._src import fp8_block
 from jmp_train._src.fp8_param import Fp8Param, Fp8ParamWithGrad
 from jmp_train._src.fp8_recipe import (
   DEFAULT_RECIPE,
   FP8_MAX,
+  OUTPUT_NAME,
   BlockwiseScaling,
   Recipe,
   cast_fractions,
@@ -118,6 +120,7 @@ def _fp8_dot_fwd(cfg, lhs, rhs, scale, amax):
   # One inverse scale at a time: their product alone can fall below
   # float32's normal range (flushed to 0) where the result does not.
   y = (y * (1.0 / s_lhs) * (1.0 / s_rhs)).astype(cfg.out_dtype)
+  y = checkpoint_name(y, OUTPUT_NAME)
   sent_lhs = _channel(cfg, amax_lhs, lhs, s_lhs, q_lhs, cfg.forward_dtype)
   sent_rhs = _channel(cfg, amax_rhs, rhs, s_rhs, q_rhs, cfg.forward_dtype)
   bits = to_residual(q_lhs), to_residual(q_rhs)
@@ -170,7 +173,9 @@ def _param_dot_fwd(cfg, lhs, rhs, scale, amax):
   y = lax.dot_general(
     q_lhs, q_rhs, cfg.dimension_numbers, preferred_element_type=jnp.float32
   )
-  y = (y * (1.0 / s_lhs) * inv_rhs).astype(cfg.out_dtype)
+  y = checkpoint_name(
+    (y * (1.0 / s_lhs) * inv_rhs).astype(cfg.out_dtype), OUTPUT_NAME
+  )
   sent_lhs = _channel(cfg, amax_lhs, lhs, s_lhs, q_lhs, cfg.forward_dtype)
   # The weight's amax, from its FP8 values (exact: they were cast with a
   # power-of-two scale, and none saturated).

@@ -34,12 +34,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jmp_train._src import leaves
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+# The `jax.ad_checkpoint.checkpoint_name`s of what every FP8 matmul's
+# backward pass reads, for a remat policy to save by name
+# (`jax.checkpoint_policies.save_only_these_names(*REMAT_NAMES)`): the
+# matmul's output, in its output dtype, and its FP8 operands, as bytes.
+# `dots_saveable` saves instead the float32 product of the FP8 dot (twice
+# the bytes of a bfloat16 output), and under blockwise scaling every
+# K-block's float32 partial product.
+OUTPUT_NAME = "fp8_matmul_output"
+OPERANDS_NAME = "fp8_matmul_operands"
+REMAT_NAMES = (OUTPUT_NAME, OPERANDS_NAME)
 # The largest float32 that rounds to FP8_MAX (to nearest even): beyond it a
 # product would round past the range, and the clip changes its FP8 value
 # (E4M3: 464 rounds to 448, above it to NaN; E5M2: 61440 rounds to inf).
@@ -312,7 +323,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 
 def to_residual(q: jax.Array) -> jax.Array:
   """FP8 values `q` as their bit patterns (uint8), to be saved for the
-  backward pass; `from_residual` gives them back.
+  backward pass, named `OPERANDS_NAME`; `from_residual` gives them back.
 
   `jax.checkpoint` (`nn.remat`) passes every floating residual it saves
   through `lax.reduce_precision` with its dtype's exponent and mantissa bits
@@ -322,7 +333,8 @@ def to_residual(q: jax.Array) -> jax.Array:
   with current scaling, whose amax maps to 448). Integers are saved as they
   are.
   """
-  return jax.lax.bitcast_convert_type(q, jnp.uint8)
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+  return checkpoint_name(bits, OPERANDS_NAME)
 
 
 def from_residual(bits: jax.Array, dtype: Any) -> jax.Array:
