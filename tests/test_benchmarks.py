@@ -272,6 +272,31 @@ def test_fp8_matmul_benchmark_runs_every_recipe(capsys):
   for name in fp8.RECIPES:
     assert f"| 32 | {name} |" in out
   assert "n = 32: delayed " in fp8.matmul_table({"fp8-matmul": result})
+  assert "stopped" not in fp8.matmul_table({"fp8-matmul": result})
+
+
+def test_fp8_matmul_benchmark_keeps_the_sizes_done_when_stopped(
+  tmp_path, monkeypatch
+):
+  # A GPU job past its time limit is killed: the JSON then holds the sizes
+  # it finished (here the second size's steps fail to build instead).
+  build = fp8.dense_steps
+
+  def dense_steps(n, recipes):
+    if n == 48:
+      raise KeyboardInterrupt("stopped")
+    return build(n, recipes)
+
+  monkeypatch.setattr(fp8, "dense_steps", dense_steps)
+  path = tmp_path / "fp8-matmul.json"
+  argv = ["--matmul", "--sizes", "32,48", "--recipes", "current"]
+  with pytest.raises(KeyboardInterrupt):
+    fp8.main([*argv, "--rounds", "1", "--warmup", "1", "--json", str(path)])
+  saved = json.loads(path.read_text())
+  assert saved["sizes"] == [32, 48]
+  assert [x["n"] for x in saved["matmul"]] == [32]
+  table = fp8.matmul_table({"fp8-matmul": saved})
+  assert "n = 32: current " in table and "stopped before n = 48" in table
 
 
 def test_fp8_gather_sends_one_byte_per_fp8_kernel_weight():
