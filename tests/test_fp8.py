@@ -764,3 +764,51 @@ def test_fp8_layers_under_remat_give_the_loss_and_gradients_without_it(
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     if w.dtype != jax.dtypes.float0:
       np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_fp8_layers_in_a_scan_of_remat_blocks_match_the_scan_without_remat():
+  """Flax's stacked-layers idiom, nn.scan(nn.remat(Block)), with a policy
+  that saves everything: NaN before the FP8 operands were saved as bytes."""
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.gelu(nn.Dense(16)(x)), None
+
+  class Deep(nn.Module):
+    remat: bool
+
+    @nn.compact
+    def __call__(self, x):
+      layer = Layer
+      if self.remat:
+        everything = jax.checkpoint_policies.everything_saveable
+        layer = nn.remat(Layer, policy=everything)
+      scan = nn.scan(
+        layer,
+        variable_axes={"params": 0, fp8.COLLECTION: 0},
+        split_rngs={"params": True},
+        length=3,
+      )
+      return scan(name="layers")(x, None)[0]
+
+  policy = jmp_train.get_preset("bf16-mixed").policy
+  x = jax.random.normal(jax.random.key(1), (8, 16))
+  v = jax.jit(jmp_train.linen.wrap(Deep(False), policy, fp8="current").init)(
+    jax.random.key(0), x
+  )
+
+  def grads(remat):
+    model = jmp_train.linen.wrap(Deep(remat), policy, fp8="current")
+
+    def loss(params, meta):
+      y = model.apply({"params": params, fp8.COLLECTION: meta}, x)
+      return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    f = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    return f(v["params"], v[fp8.COLLECTION])
+
+  want, got = grads(False), grads(True)
+  assert all(np.isfinite(w).all() for w in jax.tree.leaves(want))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-6)
