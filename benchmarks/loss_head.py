@@ -3,12 +3,15 @@
 The forward and backward pass (`jax.value_and_grad`, jitted) of the last
 step of GPT-2 small's loss: bfloat16 hidden states (batch x 1024 rows, d_model
 768) times the tied bfloat16 embedding (50304 x 768), the mean cross-entropy
-in float32. Two ways:
+in float32, computed these ways:
 
 - logits: `gpt_model.cross_entropy(x @ table.T, targets)`, what the model
   without targets and `gpt2.py --loss logits` do: the (rows, vocab) logits in
-  bfloat16, read in float32, and their gradient in one pass (its backward
-  pass is written out);
+  bfloat16, read in float32 in one pass for their log-sum-exp, and their
+  gradient in one more (its backward pass is written out);
+- logits, two-pass logsumexp: the same with `one_pass=False`, the
+  log-sum-exp of `jax.nn.logsumexp` (its max, then its sum of exponentials:
+  two passes over the logits; until 2026-11-27);
 - logits, optax's loss: `optax.softmax_cross_entropy_with_integer_labels`
   of the float32 logits, differentiated by JAX (what `cross_entropy` was
   until 2026-11-27): the float32 softmax written, the one-hot scattered into
@@ -110,7 +113,15 @@ def main(argv=None):
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return losses.mean()
 
-  variants = {"logits": logits_loss, "logits, optax's loss": optax_loss}
+  def two_pass_loss(x, table, targets):
+    logits = jnp.dot(x, table.T)
+    return gpt_model.cross_entropy(logits, targets, one_pass=False)
+
+  variants = {
+    "logits": logits_loss,
+    "logits, two-pass logsumexp": two_pass_loss,
+    "logits, optax's loss": optax_loss,
+  }
   for c in args.chunks:
     variants[f"fused (chunk {c})"] = lambda x, t, y, c=c: (
       gpt_model.fused_cross_entropy(x, t, y, c)

@@ -631,8 +631,10 @@ def test_loss_head_reads_xla_temporaries_of_both_losses():
   rows = {r["variant"]: r for r in result["rows"]}
   temps = {name: r["temp_bytes"] for name, r in rows.items()}
   optax_loss = "logits, optax's loss"
+  two_pass = "logits, two-pass logsumexp"
   assert list(temps) == [
     "logits",
+    two_pass,
     optax_loss,
     "fused (chunk 16)",
     "fused (chunk 64)",
@@ -643,8 +645,10 @@ def test_loss_head_reads_xla_temporaries_of_both_losses():
   # The written-out backward pass keeps no float32 softmax beside the
   # logits.
   assert temps["logits"] < temps[optax_loss]
+  # The one-pass log-sum-exp reads the logits once where the two-pass one
+  # reads them twice.
+  assert 0 < rows["logits"]["mbytes"] < rows[two_pass]["mbytes"]
   # A loop's kernels would be counted once, not per chunk: left out.
-  assert rows["logits"]["mbytes"] > 0
   assert rows["fused (chunk 16)"]["mbytes"] is None
   assert "ms" not in result["rows"][0]  # CPU: not run, not timed
   text = loss_head.table({"loss-head": result})

@@ -93,21 +93,26 @@ def test_fused_loss_in_a_narrow_dtype_pulls_back_any_cotangent(dtype):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize(
   "dtype, rtol",
   [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)],
 )
 def test_cross_entropy_and_its_written_out_gradient_equal_float64_numpy(
-  dtype, rtol
+  dtype, rtol, one_pass
 ):
   """(batch, seq, vocab) logits: the loss in float32, the logits' gradient
   in their dtype, for a cotangent of 3 (not 1), and large logits (the
-  log-sum-exp must subtract the maximum)."""
+  log-sum-exp must subtract the maximum); its log-sum-exp in one pass or
+  in jax.nn.logsumexp's two."""
   rng = np.random.default_rng(2)
   logits = jnp.asarray(rng.normal(size=(3, 5, 40)) * 8 + 60, dtype)
   targets = rng.integers(0, 40, (3, 5))
   loss, pull_back = jax.vjp(
-    lambda z: gpt_model.cross_entropy(z, jnp.asarray(targets)), logits
+    lambda z: gpt_model.cross_entropy(
+      z, jnp.asarray(targets), one_pass=one_pass
+    ),
+    logits,
   )
   (d_logits,) = pull_back(jnp.asarray(3.0, jnp.float32))
   assert loss.dtype == jnp.float32 and d_logits.dtype == dtype
@@ -115,6 +120,41 @@ def test_cross_entropy_and_its_written_out_gradient_equal_float64_numpy(
   np.testing.assert_allclose(loss, want, rtol=1e-6)
   got = np.asarray(d_logits, np.float64)
   np.testing.assert_allclose(got, 3 * want_grad, rtol=rtol, atol=rtol / 600)
+
+
+def test_one_pass_logsumexp_equals_float64_numpy_and_reads_once():
+  """Rows of large, tiny and mixed-scale values, -inf entries, all -inf,
+  +inf and NaN, against float64 NumPy's max-shifted log-sum-exp; jitted
+  and eagerly; one reduction over the row where jax.nn.logsumexp has two."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(9, 300)) * np.array(
+    [[1], [30], [1e-3], [1], [80], [1], [1], [1], [1]]
+  )
+  x[0] += 1e4  # far from 0: the shift matters
+  x[3, ::2] = -np.inf  # masked entries
+  x[5] = -np.inf  # a row of nothing: -inf
+  x[6, 7] = np.inf
+  x[7, 11] = np.nan
+  x[8] = 0.0  # all equal: log(300)
+  x32 = x.astype(np.float32)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    m = np.max(x32.astype(np.float64), -1, keepdims=True)
+    shift = np.where(np.isfinite(m), m, 0.0)
+    want = np.log(np.exp(x32 - shift).sum(-1)) + shift[:, 0]
+  for f in (
+    gpt_model.logsumexp_one_pass,
+    jax.jit(gpt_model.logsumexp_one_pass),
+  ):
+    got = np.asarray(f(jnp.asarray(x32)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+  assert got[5] == -np.inf and got[6] == np.inf and np.isnan(got[7])
+
+  def reductions(f):
+    text = jax.jit(f).lower(jnp.asarray(x32)).as_text()
+    return text.count("stablehlo.reduce")
+
+  assert reductions(gpt_model.logsumexp_one_pass) == 1
+  assert reductions(lambda v: jax.nn.logsumexp(v, axis=-1)) == 2
 
 
 def test_cross_entropy_counts_negative_targets_from_the_end_like_optax():
