@@ -42,6 +42,7 @@ import argparse
 import collections
 import functools
 import json
+import os
 import pathlib
 import re
 import statistics
@@ -264,7 +265,11 @@ def matmul_table(results: dict) -> str:
   missing = [n for n in m.get("sizes", []) if n not in {x["n"] for x in rows}]
   verdicts = [
     f"{name} {big['speedup_over_bf16'][name]:.2f}x"
-    f" {md.verdict(big['speedup_over_bf16'][name] >= GOAL_SPEEDUP)}"
+    + (
+      ""
+      if missing
+      else f" {md.verdict(big['speedup_over_bf16'][name] >= GOAL_SPEEDUP)}"
+    )
     for name in recipes
   ]
   if earlier:
@@ -286,12 +291,10 @@ def matmul_table(results: dict) -> str:
       "",
       f"Goal (issue 4): FP8 >= {GOAL_SPEEDUP}x bf16 at the largest size,"
       f" n = {big['n']}: {'; '.join(verdicts)}."
-      + (
-        f" The run stopped before n = {', '.join(map(str, missing))}:"
-        " the largest size measured stands in for the largest asked."
-        if missing
-        else ""
-      ),
+      if not missing
+      else f"Goal (issue 4): not judged, the run stopped before n ="
+      f" {', '.join(map(str, missing))} (at n = {big['n']}:"
+      f" {'; '.join(verdicts)}); its JSON replaced the last whole run's.",
     ]
   )
 
@@ -743,7 +746,7 @@ def main(argv=None):
     def done(rows):  # written per size: the H200's job of 2026-11-27 ran
       result["matmul"] = rows  # past its 150 s limit and left nothing
       if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+        _write_json(args.json, result)
 
     time_matmuls(sizes, args.recipes, args.rounds, args.warmup, done)
     print(matmul_table({"fp8-matmul": result}))
@@ -757,8 +760,17 @@ def main(argv=None):
     result["gather"] = gather_bytes(gpt.parse_args(args.example_args))
     print(gather_table({"fp8-gather": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    _write_json(args.json, result)
   return result
+
+
+def _write_json(path, result: dict) -> None:
+  """`result` at `path` whole or not at all: written beside it, then moved
+  over it, so a kill mid-write leaves the sizes written before."""
+  path = pathlib.Path(path)
+  part = path.with_name(path.name + ".part")
+  part.write_text(json.dumps(result, indent=1))
+  os.replace(part, path)
 
 
 if __name__ == "__main__":

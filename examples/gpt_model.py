@@ -11,6 +11,7 @@ params' shapes without allocating them.
 """
 
 import functools
+import math
 import operator
 
 import flax.linen as nn
@@ -236,15 +237,27 @@ def _checked_targets(targets, shape: tuple, vocab: int) -> jax.Array:
 
 
 def logsumexp_one_pass(x):
-  """`jax.nn.logsumexp(x, axis=-1)`, read in one pass over `x`.
+  """`jax.nn.logsumexp(x, axis=-1)` in float32 (or wider), read in one pass
+  over `x`.
 
-  One reduction carries each row's running max `m` and its sum `s` of
+  A reduction carries each row's running max `m` and its sum `s` of
   `exp(x - m)`: two partial results `(m1, s1)` and `(m2, s2)` combine to
   `max(m1, m2)` and the sum of the smaller one's `s` times `exp(-|m1 - m2|)`
   and the larger one's `s` (an online softmax's rule, one exponential per
-  value). `jax.nn.logsumexp` reads `x` twice: its max, then its sum of
+  value). The row is reduced as up to 128 slices side by side, whose
+  partial results are then combined: one running sum over a whole row of
+  50304 (XLA:CPU's order) lost up to 110 float32 ulps, with a lean to
+  below. `jax.nn.logsumexp` reads `x` twice: its max, then its sum of
   exponentials. A row of -inf gives -inf, a +inf gives +inf, a NaN NaN.
+
+  Not differentiable by itself (a reduction with a combiner of its own):
+  `cross_entropy`'s backward pass reads only its value.
   """
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  x = x.astype(dtype)
+  n = x.shape[-1]
+  slices = math.gcd(n, 128)  # a split of the row that needs no padding
+  x = x.reshape(*x.shape[:-1], slices, n // slices)
 
   def combine(a, b):
     (m1, s1), (m2, s2) = a, b
@@ -252,8 +265,10 @@ def logsumexp_one_pass(x):
     s = jnp.where(m1 >= m2, s1 + s2 * e, s1 * e + s2)
     return jnp.maximum(m1, m2), s
 
-  init = (jnp.array(-jnp.inf, x.dtype), jnp.array(0, x.dtype))
-  m, s = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
+  init = (jnp.array(-jnp.inf, dtype), jnp.array(0, dtype))
+  last = x.ndim - 1
+  partial = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (last,))
+  m, s = jax.lax.reduce(partial, init, combine, (last - 1,))
   return m + jnp.log(s)
 
 

@@ -295,8 +295,10 @@ def test_fp8_matmul_benchmark_keeps_the_sizes_done_when_stopped(
   saved = json.loads(path.read_text())
   assert saved["sizes"] == [32, 48]
   assert [x["n"] for x in saved["matmul"]] == [32]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8-matmul.json"]
   table = fp8.matmul_table({"fp8-matmul": saved})
-  assert "n = 32: current " in table and "stopped before n = 48" in table
+  assert "not judged, the run stopped before n = 48" in table
+  assert "(at n = 32: current " in table and "met**" not in table
 
 
 def test_fp8_gather_sends_one_byte_per_fp8_kernel_weight():

@@ -766,7 +766,10 @@ def test_fp8_layers_under_remat_give_the_loss_and_gradients_without_it(
       np.testing.assert_allclose(g, w, rtol=1e-6)
 
 
-def test_fp8_layers_in_a_scan_of_remat_blocks_match_the_scan_without_remat():
+@pytest.mark.parametrize("recipe", ["delayed", "current", "blockwise"])
+def test_fp8_layers_in_a_scan_of_remat_blocks_match_the_scan_without_remat(
+  recipe,
+):
   """Flax's stacked-layers idiom, nn.scan(nn.remat(Block)), with a policy
   that saves everything: NaN before the FP8 operands were saved as bytes."""
 
@@ -794,12 +797,12 @@ def test_fp8_layers_in_a_scan_of_remat_blocks_match_the_scan_without_remat():
 
   policy = jmp_train.get_preset("bf16-mixed").policy
   x = jax.random.normal(jax.random.key(1), (8, 16))
-  v = jax.jit(jmp_train.linen.wrap(Deep(False), policy, fp8="current").init)(
+  v = jax.jit(jmp_train.linen.wrap(Deep(False), policy, fp8=recipe).init)(
     jax.random.key(0), x
   )
 
   def grads(remat):
-    model = jmp_train.linen.wrap(Deep(remat), policy, fp8="current")
+    model = jmp_train.linen.wrap(Deep(remat), policy, fp8=recipe)
 
     def loss(params, meta):
       y = model.apply({"params": params, fp8.COLLECTION: meta}, x)

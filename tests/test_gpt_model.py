@@ -3,6 +3,7 @@ pass written out, and the fused loss (`fused_cross_entropy`): the
 cross-entropy of the tied-embedding logits, a chunk of rows at a time."""
 
 import contextlib
+import functools
 import io
 import os
 import pathlib
@@ -124,37 +125,51 @@ def test_cross_entropy_and_its_written_out_gradient_equal_float64_numpy(
 
 def test_one_pass_logsumexp_equals_float64_numpy_and_reads_once():
   """Rows of large, tiny and mixed-scale values, -inf entries, all -inf,
-  +inf and NaN, against float64 NumPy's max-shifted log-sum-exp; jitted
-  and eagerly; one reduction over the row where jax.nn.logsumexp has two."""
+  +inf and NaN, and rows of GPT-2's 50304 (where one running sum over the
+  row lost up to 110 ulps), against float64 NumPy's max-shifted
+  log-sum-exp; jitted and eagerly; bfloat16 in, float32 out. Each value is
+  read by one reduction, where jax.nn.logsumexp reads it in two."""
   rng = np.random.default_rng(5)
-  x = rng.normal(size=(9, 300)) * np.array(
-    [[1], [30], [1e-3], [1], [80], [1], [1], [1], [1]]
-  )
+  scales = np.array([[1], [30], [1e-3], [1], [80], [1], [1], [1], [1]])
+  x = rng.normal(size=(9, 300)) * scales
   x[0] += 1e4  # far from 0: the shift matters
   x[3, ::2] = -np.inf  # masked entries
   x[5] = -np.inf  # a row of nothing: -inf
   x[6, 7] = np.inf
   x[7, 11] = np.nan
   x[8] = 0.0  # all equal: log(300)
-  x32 = x.astype(np.float32)
-  with np.errstate(invalid="ignore", divide="ignore"):
-    m = np.max(x32.astype(np.float64), -1, keepdims=True)
-    shift = np.where(np.isfinite(m), m, 0.0)
-    want = np.log(np.exp(x32 - shift).sum(-1)) + shift[:, 0]
-  for f in (
-    gpt_model.logsumexp_one_pass,
-    jax.jit(gpt_model.logsumexp_one_pass),
-  ):
-    got = np.asarray(f(jnp.asarray(x32)), np.float64)
-    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+  vocab = rng.normal(size=(4, 50304)) * np.array([[1], [3], [10], [0]])
+
+  def reference(x):
+    with np.errstate(invalid="ignore", divide="ignore"):
+      m = np.max(x.astype(np.float64), -1, keepdims=True)
+      shift = np.where(np.isfinite(m), m, 0.0)
+      return np.log(np.exp(x - shift).sum(-1)) + shift[:, 0]
+
+  for rows in (x.astype(np.float32), vocab.astype(np.float32)):
+    for f in (
+      gpt_model.logsumexp_one_pass,
+      jax.jit(gpt_model.logsumexp_one_pass),
+    ):
+      got = np.asarray(f(jnp.asarray(rows)), np.float64)
+      np.testing.assert_allclose(got, reference(rows), rtol=3e-7, atol=0)
+  got = gpt_model.logsumexp_one_pass(jnp.asarray(x, jnp.float32))
   assert got[5] == -np.inf and got[6] == np.inf and np.isnan(got[7])
+  half = gpt_model.logsumexp_one_pass(jnp.zeros((2, 50304), jnp.bfloat16))
+  assert half.dtype == jnp.float32
+  np.testing.assert_allclose(half, np.log(50304), rtol=3e-7)
 
-  def reductions(f):
-    text = jax.jit(f).lower(jnp.asarray(x32)).as_text()
-    return text.count("stablehlo.reduce")
+  def reductions_reading(f, shape):  # stablehlo.reduce ops with x as input
+    text = jax.jit(f).lower(jnp.zeros((9, 300))).as_text()
+    return sum(
+      "stablehlo.reduce" in line and f"tensor<{shape}xf32>" in line
+      for line in text.splitlines()
+    )
 
-  assert reductions(gpt_model.logsumexp_one_pass) == 1
-  assert reductions(lambda v: jax.nn.logsumexp(v, axis=-1)) == 2
+  assert reductions_reading(gpt_model.logsumexp_one_pass, "9x4x75") == 1
+  assert reductions_reading(gpt_model.logsumexp_one_pass, "9x300") == 0
+  two_pass = functools.partial(jax.nn.logsumexp, axis=-1)
+  assert reductions_reading(two_pass, "9x300") == 2
 
 
 def test_cross_entropy_counts_negative_targets_from_the_end_like_optax():
