@@ -52,6 +52,19 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 }
 
 
+def add_target_argument(parser, condition: str = "") -> None:
+  """A script's `--target` flag: one of TARGETS to compile for on this
+  machine, without running (None, the default: the machine's own device).
+  `condition` opens its help, as "with --kernels: "."""
+  parser.add_argument(
+    "--target",
+    choices=sorted(TARGETS),
+    default=None,
+    help=f"{condition}compile for this GPU on a machine without one, not"
+    " run (benchmarks/deviceless.py; needs JAX's CUDA plugin)",
+  )
+
+
 def name(target: str) -> str:
   """The device a target describes (its `device_description_str`)."""
   return re.search(r'device_description_str: "([^"]+)"', TARGETS[target])[1]

@@ -125,13 +125,7 @@ def parse_args(argv=None):
     action="store_true",
     help="compile each step without running it and count its kernels",
   )
-  p.add_argument(
-    "--target",
-    choices=sorted(deviceless.TARGETS),
-    default=None,
-    help="with --kernels: compile for this GPU on a machine without one"
-    " (benchmarks/deviceless.py; needs JAX's CUDA plugin)",
-  )
+  deviceless.add_target_argument(p, "with --kernels: ")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   # Every check before any work: a lent GPU's run is too scarce to fail late.

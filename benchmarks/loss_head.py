@@ -82,13 +82,7 @@ def parse_args(argv=None):
     help="comma-separated rows per chunk of the fused loss",
   )
   p.add_argument("--rounds", type=int, default=10)
-  p.add_argument(
-    "--target",
-    choices=sorted(deviceless.TARGETS),
-    default=None,
-    help="compile for this GPU on a machine without one, not run"
-    " (benchmarks/deviceless.py; needs JAX's CUDA plugin)",
-  )
+  deviceless.add_target_argument(p)
   p.add_argument("--json", default=None)
   return p.parse_args(argv)
 

@@ -69,13 +69,7 @@ def parse_args(argv=None):
     action="store_true",
     help="count each compiled step's kernels instead of timing it",
   )
-  p.add_argument(
-    "--target",
-    choices=sorted(deviceless.TARGETS),
-    default=None,
-    help="with --kernels: compile for this GPU, here, without one"
-    " (needs JAX's CUDA plugin)",
-  )
+  deviceless.add_target_argument(p, "with --kernels: ")
   p.add_argument(
     "--steps-per-round",
     type=timing.count_arg,
