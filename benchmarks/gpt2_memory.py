@@ -8,11 +8,18 @@ One preset per process, so the device's peak belongs to that preset alone:
   temporaries: activations, gradients and workspace);
 - measured (GPU): the device's `peak_bytes_in_use` after a few steps.
 
+With `--target h100` the step is compiled for that GPU on a machine without
+one (`benchmarks/deviceless.py`) and not run: the prediction and XLA's
+allocation, no peak. On the H200 of 2026-11-26 the peak was XLA's
+allocation to within 0.01 MB for every preset, so this is what the next GPU
+run of today's code should measure, less what the chip's autotuning changes.
+
 The model and step are `benchmarks/gpt2.py`'s (`linen.wrap`,
 `preset.mixed_precision(optax.adamw)`, `make_train_step`, donated state).
 
   python benchmarks/gpt2_memory.py --preset bf16-mixed          # a GPU
   python benchmarks/gpt2_memory.py --preset bf16-mixed --tiny   # any machine
+  python benchmarks/gpt2_memory.py --preset bf16-mixed --target h100  # no GPU
 """
 
 import argparse
@@ -24,6 +31,7 @@ sys.path.insert(
   0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 )
 
+import deviceless
 import gpt2
 import gpt_model
 import jax
@@ -47,14 +55,26 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
+  deviceless.add_target_argument(p)
   p.add_argument("--json", default=None)
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.target:  # the GPU compiled for is not here: look for none
+    jax.config.update("jax_platforms", "cpu")
+  # Before any work: without the CUDA plugin this raises, naming it.
+  topo = deviceless.topology(args.target) if args.target else None
   cfg = gpt2.config(args.tiny)
-  base = gpt_model.GPT(**cfg, tied=True, fused_attention=True)
+  # Compiled for a GPU without one, the attention is the cuDNN kernel the
+  # GPU runs (as in gpt2.py --kernels --target).
+  base = gpt_model.GPT(
+    **cfg,
+    tied=True,
+    fused_attention=True,
+    platform="gpu" if args.target else None,
+  )
   preset = jmp_train.get_preset(args.preset)
   model = jmp_train.linen.wrap(base, preset.policy, fp8=preset.fp8)
   rng = np.random.default_rng(0)
@@ -74,22 +94,30 @@ def main(argv=None):
   del variables
   step = train.make_train_step(loss_fn, tx)
   predicted = memory.memory_table(None, state)
-  compiled = memory.compiled_memory(step, state, tokens)
-  for _ in range(args.steps):
-    state, metrics = step(state, tokens)
-  jax.block_until_ready(state)
-  stats = jax.devices()[0].memory_stats() or {}
-  result = {
-    "preset": args.preset,
-    "model": cfg,
-    "batch": args.batch,
-    "device": jax.devices()[0].device_kind,
-    "jax": jax.__version__,
-    "predicted": predicted,
-    "compiled": compiled,
-    "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
-    "loss": float(metrics["loss"]),
-  }
+  result = {"preset": args.preset, "model": cfg, "batch": args.batch}
+  if topo:
+    state, tokens = deviceless.abstract((state, tokens), topo)
+    result |= {
+      **deviceless.provenance(args.target),
+      "predicted": predicted,
+      "compiled": memory.compiled_memory(step, state, tokens),
+      "peak_bytes_in_use": None,
+      "loss": None,
+    }
+  else:
+    compiled = memory.compiled_memory(step, state, tokens)
+    for _ in range(args.steps):
+      state, metrics = step(state, tokens)
+    jax.block_until_ready(state)
+    stats = jax.devices()[0].memory_stats() or {}
+    result |= {
+      "device": jax.devices()[0].device_kind,
+      "jax": jax.__version__,
+      "predicted": predicted,
+      "compiled": compiled,
+      "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+      "loss": float(metrics["loss"]),
+    }
   print(table({args.preset: result}))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
@@ -97,42 +125,57 @@ def main(argv=None):
 
 
 def table(results: dict) -> str:
-  """Per preset: the predicted state, XLA's allocation and the peak."""
+  """Per preset: the predicted state, XLA's allocation and the peak; one
+  table per device and jax version, the runs compiled without their GPU
+  (`--target`, no peak) apart from those measured on one."""
   if not results:
     return md.not_measured("benchmarks/gpt2_memory.py (it needs a GPU)")
-  runs = list(results.values())
+  groups: dict[tuple, list] = {}
+  for r in results.values():
+    groups.setdefault((r["device"], r["jax"]), []).append(r)
+  return "\n\n".join(_group_table(runs) for runs in groups.values())
+
+
+def _group_table(runs: list[dict]) -> str:
+  """`table` for runs made on one device with one jax version."""
+  measured = any(r["peak_bytes_in_use"] is not None for r in runs)
   rows = []
   for r in runs:
     pred, comp, peak = r["predicted"], r["compiled"], r["peak_bytes_in_use"]
     allocated = comp["argument"] + comp["temp"] + comp["output"] - comp["alias"]
-    rows.append(
-      [
-        r["preset"],
-        *(f"{pred[k] / GIB:.2f}" for k in PARTS),
-        f"{pred['total'] / GIB:.2f}",
-        f"{comp['temp'] / GIB:.2f}",
-        f"{allocated / GIB:.2f}",
+    row = [
+      r["preset"],
+      *(f"{pred[k] / GIB:.2f}" for k in PARTS),
+      f"{pred['total'] / GIB:.2f}",
+      f"{comp['temp'] / GIB:.2f}",
+      f"{allocated / GIB:.2f}",
+    ]
+    if measured:
+      row += [
         f"{peak / GIB:.2f}" if peak is not None else "n/a",
         md.ratio(peak / allocated) if peak is not None else "n/a",
       ]
-    )
+    rows.append(row)
   header = ["preset", "params", "grads", "masters", "opt state"]
-  header += ["state (table)", "temp (XLA)", "step (XLA)", "peak", "peak / step"]
+  header += ["state (table)", "temp (XLA)", "step (XLA)"]
   first = runs[0]
   cfg = first["model"]
-  return "\n".join(
-    [
-      f"GPT {cfg['layers']} layers, d_model {cfg['d_model']}, context"
-      f" {cfg['seq_len']}, batch {first['batch']}, on {first['device']}"
-      f" (jax {first['jax']}); GiB per device. The state columns are"
-      " `memory.memory_table`'s prediction; `step (XLA)` is arguments +"
-      " temporaries + outputs - aliased (donated) bytes of the compiled step;"
-      " `peak` is the device's `peak_bytes_in_use` after the steps, one"
-      " process per preset.",
-      "",
-      md.table(header, rows),
-    ]
+  line = (
+    f"GPT {cfg['layers']} layers, d_model {cfg['d_model']}, context"
+    f" {cfg['seq_len']}, batch {first['batch']}, on {first['device']}"
+    f" (jax {first['jax']}); GiB per device. The state columns are"
+    " `memory.memory_table`'s prediction; `step (XLA)` is arguments +"
+    " temporaries + outputs - aliased (donated) bytes of the compiled step"
   )
+  if measured:
+    header += ["peak", "peak / step"]
+    line += (
+      "; `peak` is the device's `peak_bytes_in_use` after the steps, one"
+      " process per preset."
+    )
+  else:
+    line += " (compiled, not run: no peak)."
+  return "\n".join([line, "", md.table(header, rows)])
 
 
 if __name__ == "__main__":

@@ -43,6 +43,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "benchmarks" / "page.md"
 TABLE = re.compile(r"^<!-- table: (\w+)\.(\w+) -->$", re.MULTILINE)
 
+# The presets whose GPT-2 small step memory is measured, one job each.
+MEMORY_PRESETS = (
+  "fp32",
+  "bf16-mixed",
+  "bf16-true",
+  "bf16-lean",
+  "bf16-sr-lean",
+)
 # Job name (its JSON's name) -> a script in benchmarks/ and its arguments.
 CPU_JOBS = {
   "overhead-64": "overhead.py --batch 64 --steps 40",
@@ -64,6 +72,11 @@ CPU_JOBS = {
   "gpt2-kernels-h100": "gpt2.py --kernels --target h100"
   " --presets bf16-mixed,fp16-mixed,bf16-lean,bf16-sr-lean",
   "loss-head-h100": "loss_head.py --target h100",
+  # What the GPU jobs gpt2-memory-* should measure (XLA's allocation).
+  **{
+    f"gpt2-memory-h100-{name}": f"gpt2_memory.py --target h100 --preset {name}"
+    for name in MEMORY_PRESETS
+  },
   "host-cost": "host_cost.py",
   "host-cost-deep": "host_cost.py --layers 74 --steps-per-round 30 --rounds 40",
   "zero1": "zero1.py",
@@ -90,6 +103,7 @@ DEVICELESS = {
   "overhead-kernels-h100-update",
   "gpt2-kernels-h100",
   "loss-head-h100",
+  *(f"gpt2-memory-h100-{name}" for name in MEMORY_PRESETS),
 }
 # CUDA 12's: the H100 target (deviceless.TARGETS) names CUDA 12.9.
 CUDA_PLUGINS = ("jax_cuda12_plugin",)
@@ -100,10 +114,12 @@ GPU_JOBS = {
   # that sums the finite check's gradients in a few concatenations.
   "gpt2-check": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
   " --rounds 3 --tag 'grouped finite check'",
-  # The same, on the code whose cross_entropy writes its backward pass out
-  # (2026-11-27): the whole logits read in one pass, not scattered into.
+  # The same, on the code of later on 2026-11-27: cross_entropy writes its
+  # backward pass out (the whole logits read in one pass, not scattered
+  # into) and reads its log-sum-exp in one pass, and the MLP's GELU is
+  # recomputed in the backward pass.
   "gpt2-xent": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
-  " --rounds 3 --tag 'one-pass loss backward'",
+  " --rounds 3 --tag 'loss written out, one-pass LSE, GELU remat'",
   "gpt2-fused": "gpt2.py --loss fused --no-plain --autocast ''"
   " --presets bf16-mixed,fp16-mixed",
   # cuDNN's LayerNorm kernels in place of XLA's fusions (item 2's passes).
@@ -124,7 +140,7 @@ GPU_JOBS = {
   # One process per preset: the device's peak is that preset's alone.
   **{
     f"gpt2-memory-{name}": f"gpt2_memory.py --preset {name}"
-    for name in ("fp32", "bf16-mixed", "bf16-true", "bf16-lean", "bf16-sr-lean")
+    for name in MEMORY_PRESETS
   },
   "overhead-gpu": "overhead.py --batch 16384 --steps 100",
   "overhead-gpu-kernels": "overhead.py --kernels --batch 16384",

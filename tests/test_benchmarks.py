@@ -87,6 +87,7 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (gpt2.parse_args, ["--torch-precisions", "bf16,f16"], "'f16'; accepted"),
     (gpt2.parse_args, ["--presets", "bf16-mixed,"], "names an empty preset"),
     (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "choice: 'bf16-lin'"),
+    (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),
     (loss_head.parse_args, ["--chunks", "64,0"], "'64,0' is not a comma"),
     (loss_head.parse_args, ["--chunks", "64,x"], "'64,x' is not a comma"),
   ):
@@ -1000,6 +1001,25 @@ def test_gpt2_memory_tiny_checks_the_table_against_xla():
   assert 0 <= pred["optimizer_state"] - 2 * pred["params"] <= 64
   assert result["peak_bytes_in_use"] is None or result["peak_bytes_in_use"] > 0
   assert "| bf16-mixed |" in gpt2_memory.table({"m": result})
+  # A run compiled for a GPU without one (--target) has no peak: a table of
+  # its own, without the peak columns, beside the measured run's.
+  measured = dict(result, peak_bytes_in_use=2**30)
+  compiled = dict(result, device="H100 (compiled here, not run)")
+  compiled["peak_bytes_in_use"] = None
+  text = gpt2_memory.table({"gpu": measured, "here": compiled})
+  first, second = text.split("\n\nGPT ")
+  assert "peak / step |" in first and "on H100 (compiled" not in first
+  assert "on H100 (compiled" in second and "| peak" not in second
+  assert first.count("| bf16-mixed |") == second.count("| bf16-mixed |") == 1
+
+
+def test_gpt2_memory_target_needs_the_plugin_before_any_work(monkeypatch):
+  if suite.cuda_plugin():
+    pytest.skip("JAX's CUDA plugin is installed: the refusal cannot happen")
+  # The 124M-param model is not built: the refusal comes first.
+  monkeypatch.setattr(gpt2, "config", lambda tiny: pytest.fail("built"))
+  with pytest.raises(RuntimeError, match="needs JAX.s CUDA plugin"):
+    gpt2_memory.main(["--target", "h100"])
 
 
 def _span(name, ts, dur, tid, pid=1, **args):
