@@ -10,9 +10,7 @@ One preset per process, so the device's peak belongs to that preset alone:
 
 With `--target h100` the step is compiled for that GPU on a machine without
 one (`benchmarks/deviceless.py`) and not run: the prediction and XLA's
-allocation, no peak. On the H200 of 2026-11-26 the peak was XLA's
-allocation to within 0.01 MB for every preset, so this is what the next GPU
-run of today's code should measure, less what the chip's autotuning changes.
+allocation, no peak (`compiled_only` in the results).
 
 The model and step are `benchmarks/gpt2.py`'s (`linen.wrap`,
 `preset.mixed_precision(optax.adamw)`, `make_train_step`, donated state).
@@ -99,6 +97,7 @@ def main(argv=None):
     state, tokens = deviceless.abstract((state, tokens), topo)
     result |= {
       **deviceless.provenance(args.target),
+      "compiled_only": True,
       "predicted": predicted,
       "compiled": memory.compiled_memory(step, state, tokens),
       "peak_bytes_in_use": None,
@@ -113,6 +112,7 @@ def main(argv=None):
     result |= {
       "device": jax.devices()[0].device_kind,
       "jax": jax.__version__,
+      "compiled_only": False,
       "predicted": predicted,
       "compiled": compiled,
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
@@ -125,20 +125,27 @@ def main(argv=None):
 
 
 def table(results: dict) -> str:
-  """Per preset: the predicted state, XLA's allocation and the peak; one
-  table per device and jax version, the runs compiled without their GPU
-  (`--target`, no peak) apart from those measured on one."""
+  """Per preset: the predicted state, XLA's allocation and the peak.
+
+  One table per device, jax version and kind of run: the steps run on a GPU
+  (a peak, or n/a where the device reports none) apart from those compiled
+  for one without it (`--target`: no peak columns).
+  """
   if not results:
     return md.not_measured("benchmarks/gpt2_memory.py (it needs a GPU)")
   groups: dict[tuple, list] = {}
   for r in results.values():
-    groups.setdefault((r["device"], r["jax"]), []).append(r)
-  return "\n\n".join(_group_table(runs) for runs in groups.values())
+    # Results saved before --target existed were all run.
+    key = (r["device"], r["jax"], r.get("compiled_only", False))
+    groups.setdefault(key, []).append(r)
+  return "\n\n".join(
+    _group_table(runs, compiled_only)
+    for (_, _, compiled_only), runs in groups.items()
+  )
 
 
-def _group_table(runs: list[dict]) -> str:
-  """`table` for runs made on one device with one jax version."""
-  measured = any(r["peak_bytes_in_use"] is not None for r in runs)
+def _group_table(runs: list[dict], compiled_only: bool) -> str:
+  """`table` for the runs of one device, jax version and kind of run."""
   rows = []
   for r in runs:
     pred, comp, peak = r["predicted"], r["compiled"], r["peak_bytes_in_use"]
@@ -150,7 +157,7 @@ def _group_table(runs: list[dict]) -> str:
       f"{comp['temp'] / GIB:.2f}",
       f"{allocated / GIB:.2f}",
     ]
-    if measured:
+    if not compiled_only:
       row += [
         f"{peak / GIB:.2f}" if peak is not None else "n/a",
         md.ratio(peak / allocated) if peak is not None else "n/a",
@@ -167,14 +174,14 @@ def _group_table(runs: list[dict]) -> str:
     " `memory.memory_table`'s prediction; `step (XLA)` is arguments +"
     " temporaries + outputs - aliased (donated) bytes of the compiled step"
   )
-  if measured:
+  if compiled_only:
+    line += " (no peak)."
+  else:
     header += ["peak", "peak / step"]
     line += (
       "; `peak` is the device's `peak_bytes_in_use` after the steps, one"
       " process per preset."
     )
-  else:
-    line += " (compiled, not run: no peak)."
   return "\n".join([line, "", md.table(header, rows)])
 
 

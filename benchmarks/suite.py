@@ -114,10 +114,10 @@ GPU_JOBS = {
   # that sums the finite check's gradients in a few concatenations.
   "gpt2-check": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
   " --rounds 3 --tag 'grouped finite check'",
-  # The same, on the code of later on 2026-11-27: cross_entropy writes its
-  # backward pass out (the whole logits read in one pass, not scattered
-  # into) and reads its log-sum-exp in one pass, and the MLP's GELU is
-  # recomputed in the backward pass.
+  # The same, on the code of the afternoon of 2026-11-27: cross_entropy
+  # writes its backward pass out (the whole logits read in one pass, not
+  # scattered into) and reads its log-sum-exp in one pass, and the MLP's
+  # GELU is recomputed in the backward pass.
   "gpt2-xent": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
   " --rounds 3 --tag 'loss written out, one-pass LSE, GELU remat'",
   "gpt2-fused": "gpt2.py --loss fused --no-plain --autocast ''"

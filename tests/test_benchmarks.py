@@ -1000,26 +1000,38 @@ def test_gpt2_memory_tiny_checks_the_table_against_xla():
   # (plus scalars: Adam's count, the loss-scale state and its counters)
   assert 0 <= pred["optimizer_state"] - 2 * pred["params"] <= 64
   assert result["peak_bytes_in_use"] is None or result["peak_bytes_in_use"] > 0
-  assert "| bf16-mixed |" in gpt2_memory.table({"m": result})
-  # A run compiled for a GPU without one (--target) has no peak: a table of
-  # its own, without the peak columns, beside the measured run's.
-  measured = dict(result, peak_bytes_in_use=2**30)
+  assert not result["compiled_only"]
+  # A step that ran keeps the peak columns, n/a where the device reports no
+  # peak (a CPU), and says what the peak is.
+  text = gpt2_memory.table({"m": result})
+  assert "| peak | peak / step |" in text and "peak_bytes_in_use" in text
+  if result["peak_bytes_in_use"] is None:
+    assert text.endswith("| n/a | n/a |")
+  # A step compiled for a GPU without one (--target) has no peak: a table of
+  # its own, without the peak columns, beside the runs on a device.
   compiled = dict(result, device="H100 (compiled here, not run)")
-  compiled["peak_bytes_in_use"] = None
-  text = gpt2_memory.table({"gpu": measured, "here": compiled})
+  compiled["compiled_only"] = True
+  text = gpt2_memory.table({"gpu": result, "here": compiled})
   first, second = text.split("\n\nGPT ")
-  assert "peak / step |" in first and "on H100 (compiled" not in first
-  assert "on H100 (compiled" in second and "| peak" not in second
+  assert "| peak | peak / step |" in first and "H100" not in first
+  assert "H100 (compiled" in second and "| peak" not in second
+  assert "(no peak)" in second
   assert first.count("| bf16-mixed |") == second.count("| bf16-mixed |") == 1
 
 
 def test_gpt2_memory_target_needs_the_plugin_before_any_work(monkeypatch):
+  import jax
+
   if suite.cuda_plugin():
     pytest.skip("JAX's CUDA plugin is installed: the refusal cannot happen")
   # The 124M-param model is not built: the refusal comes first.
   monkeypatch.setattr(gpt2, "config", lambda tiny: pytest.fail("built"))
-  with pytest.raises(RuntimeError, match="needs JAX.s CUDA plugin"):
-    gpt2_memory.main(["--target", "h100"])
+  platforms = jax.config.jax_platforms  # --target sets it: put it back
+  try:
+    with pytest.raises(RuntimeError, match="needs JAX.s CUDA plugin"):
+      gpt2_memory.main(["--target", "h100"])
+  finally:
+    jax.config.update("jax_platforms", platforms)
 
 
 def _span(name, ts, dur, tid, pid=1, **args):
