@@ -85,11 +85,18 @@ def main(argv=None):
     return gpt_model.cross_entropy(logits, batch[:, 1:])
 
   tx = preset.mixed_precision(optax.adamw(1e-4))
-  variables = jax.jit(model.init)(jax.random.key(0), tokens[:1, :-1])
-  state = train.TrainState.create(
-    params=variables["params"], tx=tx, fp8=variables.get("fp8_meta")
-  )
-  del variables
+
+  def new_state(init):
+    variables = init(jax.random.key(0), tokens[:1, :-1])
+    return train.TrainState.create(
+      params=variables["params"], tx=tx, fp8=variables.get("fp8_meta")
+    )
+
+  # Compiled only, the step needs the state's shapes, not its values.
+  if topo:
+    state = jax.eval_shape(lambda: new_state(model.init))
+  else:
+    state = new_state(jax.jit(model.init))
   step = train.make_train_step(loss_fn, tx)
   predicted = memory.memory_table(None, state)
   result = {"preset": args.preset, "model": cfg, "batch": args.batch}
