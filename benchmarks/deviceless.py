@@ -100,6 +100,18 @@ def plugin() -> str:
     return "none"
 
 
+def start(target: str | None):
+  """What a script with `--target` calls first, before JAX starts a backend
+  (and after any change to XLA_FLAGS): for a target, JAX is told to look for
+  no GPU (the one compiled for is not here) and `topology(target)` is
+  returned, so a missing plugin is refused before any work; None for none.
+  """
+  if target is None:
+    return None
+  jax.config.update("jax_platforms", "cpu")
+  return topology(target)
+
+
 def topology(target: str):
   """One GPU of `target` (a key of TARGETS), for compiling without it.
 

@@ -308,11 +308,11 @@ def torch_table(results: dict) -> str:
   return "\n".join(out)
 
 
-def kernels_main(args, cfg: dict, steps: dict, tokens, params) -> dict:
+def kernels_main(args, cfg: dict, steps: dict, tokens, params, topo) -> dict:
   """Each step compiled, not run: its kernels (`overhead.kernel_summary`),
   the bytes they move and how many reduce; with `--target`, for that GPU.
-  `params` is the model's float32 params tree."""
-  topo = deviceless.topology(args.target) if args.target else None
+  `params` is the model's float32 params tree; `topo` the target's
+  (`deviceless.start`), or None."""
   place = (lambda t: deviceless.abstract(t, topo)) if topo else (lambda t: t)
   kernels = {}
   for name, (step, state) in steps.items():
@@ -455,12 +455,11 @@ def main_torch(args, cfg: dict) -> dict:
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.target:  # the GPU compiled for is not here: look for none
-    jax.config.update("jax_platforms", "cpu")
   if args.xla_flags:  # read when the backend starts, not at import
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags
     ).strip()
+  topo = deviceless.start(args.target)
   cfg = config(args.tiny)
   if args.torch:
     result = main_torch(args, cfg)
@@ -559,7 +558,7 @@ def main(argv=None):
     steps[f"autocast {name}"] = (train.make_train_step(loss_fn, tx), state)
 
   if args.kernels:
-    result = kernels_main(args, cfg, steps, tokens, params)
+    result = kernels_main(args, cfg, steps, tokens, params, topo)
     print(kernels_table({"gpt2-kernels": result}))
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(result, indent=1))

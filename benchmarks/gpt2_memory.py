@@ -60,10 +60,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.target:  # the GPU compiled for is not here: look for none
-    jax.config.update("jax_platforms", "cpu")
-  # Before any work: without the CUDA plugin this raises, naming it.
-  topo = deviceless.topology(args.target) if args.target else None
+  topo = deviceless.start(args.target)
   cfg = gpt2.config(args.tiny)
   # Compiled for a GPU without one, the attention is the cuDNN kernel the
   # GPU runs (as in gpt2.py --kernels --target).

@@ -89,8 +89,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.target:  # the GPU compiled for is not here: look for none
-    jax.config.update("jax_platforms", "cpu")
+  topo = deviceless.start(args.target)
   rows = args.batch * args.seq
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(rows, args.d_model)), jnp.bfloat16)
@@ -121,8 +120,7 @@ def main(argv=None):
       gpt_model.fused_cross_entropy(x, t, y, c)
     )
   on_gpu = jax.devices()[0].platform == "gpu" and not args.target
-  if args.target:
-    topo = deviceless.topology(args.target)
+  if topo:
     inputs = deviceless.abstract((x, table_, targets), topo)
   else:
     inputs = (x, table_, targets)

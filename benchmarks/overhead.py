@@ -1002,8 +1002,7 @@ def timing_main(args, steps, base, make_params, x, y) -> dict:
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.target:  # the GPU compiled for is not here: look for none
-    jax.config.update("jax_platforms", "cpu")
+  topo = deviceless.start(args.target)
   dims = [int(d) for d in args.dims.split(",")]
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.batch, dims[0])), jnp.float32)
@@ -1022,10 +1021,8 @@ def main(argv=None):
     result = profile_main(args, steps, make_params, x, y)
     print(profile_table({"p": result}))
   elif args.kernels:
-    if args.target:  # arguments placed on the target's GPU, as shapes
-      place = functools.partial(
-        deviceless.abstract, topo=deviceless.topology(args.target)
-      )
+    if topo:  # arguments placed on the target's GPU, as shapes
+      place = functools.partial(deviceless.abstract, topo=topo)
       params, x, y = place(jax.eval_shape(make_params)), place(x), place(y)
     else:
       params, place = make_params(), None

@@ -783,15 +783,27 @@ def test_kernels_table_says_which_conditionals_are_left():
 
 def test_deviceless_target_is_checked_and_needs_the_plugin():
   import deviceless
+  import jax
 
   with pytest.raises(ValueError, match=r"target must be one of \['h100'\]"):
     deviceless.topology("a100")
+  platforms = jax.config.jax_platforms
+  assert deviceless.start(None) is None  # no target: JAX left as it was
+  assert jax.config.jax_platforms == platforms
   if suite.cuda_plugin():
     pytest.skip("JAX's CUDA plugin is installed: the refusal cannot happen")
-  with pytest.raises(
-    RuntimeError, match=r'needs JAX.s CUDA plugin: pip install "jax\[cuda12\]=='
+  for refused in (
+    lambda: deviceless.topology("h100"),
+    lambda: deviceless.start("h100"),
   ):
-    deviceless.topology("h100")
+    try:
+      with pytest.raises(
+        RuntimeError,
+        match=r'needs JAX.s CUDA plugin: pip install "jax\[cuda12\]==',
+      ):
+        refused()
+    finally:  # start() asked JAX for no GPU: put the setting back
+      jax.config.update("jax_platforms", platforms)
 
 
 def test_suite_skips_a_deviceless_job_without_the_plugin(
