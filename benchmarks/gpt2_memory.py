@@ -95,14 +95,13 @@ def main(argv=None):
   else:
     state = new_state(jax.jit(model.init))
   step = train.make_train_step(loss_fn, tx)
-  predicted = memory.memory_table(None, state)
   result = {"preset": args.preset, "model": cfg, "batch": args.batch}
+  result["predicted"] = memory.memory_table(None, state)
   if topo:
     state, tokens = deviceless.abstract((state, tokens), topo)
     result |= {
       **deviceless.provenance(args.target),
       "compiled_only": True,
-      "predicted": predicted,
       "compiled": memory.compiled_memory(step, state, tokens),
       "peak_bytes_in_use": None,
       "loss": None,
@@ -117,7 +116,6 @@ def main(argv=None):
       "device": jax.devices()[0].device_kind,
       "jax": jax.__version__,
       "compiled_only": False,
-      "predicted": predicted,
       "compiled": compiled,
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       "loss": float(metrics["loss"]),
