@@ -781,29 +781,36 @@ def test_kernels_table_says_which_conditionals_are_left():
   assert "conditionals left in the compiled step: plain 0, skip-only 1" in text
 
 
-def test_deviceless_target_is_checked_and_needs_the_plugin():
+@pytest.fixture
+def platforms_restored():
+  """JAX's `jax_platforms` as it was before the test: `deviceless.start`
+  (a script's `--target`) asks JAX for no GPU."""
+  import jax
+
+  platforms = jax.config.jax_platforms
+  yield platforms
+  jax.config.update("jax_platforms", platforms)
+
+
+def test_deviceless_target_is_checked_and_needs_the_plugin(platforms_restored):
   import deviceless
   import jax
 
   with pytest.raises(ValueError, match=r"target must be one of \['h100'\]"):
     deviceless.topology("a100")
-  platforms = jax.config.jax_platforms
   assert deviceless.start(None) is None  # no target: JAX left as it was
-  assert jax.config.jax_platforms == platforms
+  assert jax.config.jax_platforms == platforms_restored
   if suite.cuda_plugin():
     pytest.skip("JAX's CUDA plugin is installed: the refusal cannot happen")
   for refused in (
     lambda: deviceless.topology("h100"),
     lambda: deviceless.start("h100"),
   ):
-    try:
-      with pytest.raises(
-        RuntimeError,
-        match=r'needs JAX.s CUDA plugin: pip install "jax\[cuda12\]==',
-      ):
-        refused()
-    finally:  # start() asked JAX for no GPU: put the setting back
-      jax.config.update("jax_platforms", platforms)
+    with pytest.raises(
+      RuntimeError,
+      match=r'needs JAX.s CUDA plugin: pip install "jax\[cuda12\]==',
+    ):
+      refused()
 
 
 def test_suite_skips_a_deviceless_job_without_the_plugin(
@@ -1031,19 +1038,23 @@ def test_gpt2_memory_tiny_checks_the_table_against_xla():
   assert first.count("| bf16-mixed |") == second.count("| bf16-mixed |") == 1
 
 
-def test_gpt2_memory_target_needs_the_plugin_before_any_work(monkeypatch):
-  import jax
-
+@pytest.mark.parametrize(
+  "main, argv",
+  [
+    (gpt2_memory.main, ["--target", "h100"]),
+    (gpt2.main, ["--kernels", "--target", "h100"]),
+  ],
+  ids=["gpt2_memory", "gpt2"],
+)
+def test_gpt2_target_needs_the_plugin_before_any_work(
+  main, argv, monkeypatch, platforms_restored
+):
   if suite.cuda_plugin():
     pytest.skip("JAX's CUDA plugin is installed: the refusal cannot happen")
   # The 124M-param model is not built: the refusal comes first.
   monkeypatch.setattr(gpt2, "config", lambda tiny: pytest.fail("built"))
-  platforms = jax.config.jax_platforms  # --target sets it: put it back
-  try:
-    with pytest.raises(RuntimeError, match="needs JAX.s CUDA plugin"):
-      gpt2_memory.main(["--target", "h100"])
-  finally:
-    jax.config.update("jax_platforms", platforms)
+  with pytest.raises(RuntimeError, match="needs JAX.s CUDA plugin"):
+    main(argv)
 
 
 def _span(name, ts, dur, tid, pid=1, **args):
