@@ -51,6 +51,7 @@ sys.path.insert(
   0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 )
 
+import device_time
 import deviceless
 import gpt_model
 import jax
@@ -125,6 +126,13 @@ def parse_args(argv=None):
     action="store_true",
     help="compile each step without running it and count its kernels",
   )
+  p.add_argument(
+    "--profile",
+    default=None,
+    metavar="DIR",
+    help="after the timing, trace one round of each step into DIR/<step> and"
+    " say where its device time goes (benchmarks/device_time.py)",
+  )
   deviceless.add_target_argument(p, "with --kernels: ")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
@@ -133,6 +141,8 @@ def parse_args(argv=None):
     p.error(f"--target {args.target} compiles without running: add --kernels")
   if args.kernels and args.torch:
     p.error("--kernels counts the JAX steps' kernels: drop --torch")
+  if args.profile and (args.kernels or args.torch):
+    p.error("--profile traces the JAX steps it times: drop --kernels, --torch")
   if "" in args.presets.split(","):
     p.error(f"--presets: {args.presets!r} names an empty preset")
   for flag in ("presets", "autocast"):
@@ -376,16 +386,23 @@ def config(tiny: bool) -> dict:
   return dict(layers=12, d_model=768, heads=12, seq_len=1024, vocab=50304)
 
 
+def model_flops(cfg: dict, batch: int, n_flops: int) -> int:
+  """nanoGPT's FLOPs per step: 6 N + 12 L d T per token, `n_flops` (N) the
+  params that count (without the position embedding)."""
+  seq = cfg["seq_len"]
+  per_token = 6 * n_flops + 12 * cfg["layers"] * cfg["d_model"] * seq
+  return per_token * batch * seq
+
+
 def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
   """gpt2.py's row per step from its median seconds per step; `n_flops` the
   params that count (without the position embedding)."""
-  seq = cfg["seq_len"]
-  tokens_per_step = batch * seq
-  flops_per_token = 6 * n_flops + 12 * cfg["layers"] * cfg["d_model"] * seq
+  tokens_per_step = batch * cfg["seq_len"]
+  flops = model_flops(cfg, batch, n_flops)
   first = next(iter(seconds.values()))
   rows = []
   for name, sec in seconds.items():
-    achieved = flops_per_token * tokens_per_step / sec
+    achieved = flops / sec
     rows.append(
       {
         "step": name,
@@ -398,6 +415,86 @@ def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
       }
     )
   return rows
+
+
+def profile_steps(args, steps: dict, state: dict, tokens) -> dict:
+  """After the timing: one round of each step traced into DIR/<step>, its
+  wall time taken, and the trace read against the step's compiled HLO
+  (`device_time.summary`). `state` holds each step's live state, and gets
+  the state the round leaves. The HLO is the program that ran: lowering and
+  compiling again finds it in JAX's cache."""
+  root = pathlib.Path(args.profile)
+  on_device = jax.devices()[0].platform != "cpu"
+  n = args.steps_per_round
+  out = {}
+  for name, (step, _) in steps.items():
+    hlo = step.lower(state[name], tokens).compile().as_text()
+    where = root / name.replace(" ", "-")
+    s = state[name]
+    with jax.profiler.trace(str(where), create_perfetto_trace=True):
+      start = time.perf_counter()
+      for _ in range(n):
+        s, _ = step(s, tokens)
+      state[name] = jax.block_until_ready(s)
+      wall = time.perf_counter() - start
+    found = device_time.summary(
+      overhead.read_trace(where), hlo, n, device=on_device
+    )
+    found["wall_us_per_step"] = 1e6 * wall / n
+    out[name] = found
+    print(
+      f"{name}: traced {found['wall_us_per_step'] / 1e3:.2f} ms/step, device"
+      f" busy {found['busy_us_per_step'] / 1e3:.2f} ms, by class (ms)"
+      f" { {k: round(v / 1e3, 2) for k, v in found['by_class_us'].items()} }",
+      flush=True,
+    )
+  return out
+
+
+def profile_table(results: dict) -> str:
+  """Per traced step: its device time by class of kernel, the time the
+  device sat idle, the model's FLOPs over the matmuls' and attention's time
+  alone, and the labels (places in the model) that took longest."""
+  runs = [r for r in _ours(results) if r.get("profiles")]
+  if not runs:
+    return md.not_measured("benchmarks/gpt2.py --profile DIR (on a GPU)")
+  out = []
+  for r in runs:
+    rows, notes = [], []
+    for name, p in r["profiles"].items():
+      ms = {k: v / 1e3 for k, v in p["by_class_us"].items()}
+      dense = ms["matmul"] + ms["attention"]
+      rows.append(
+        [
+          name,
+          f"{p['wall_us_per_step'] / 1e3:.2f}",
+          f"{p['busy_us_per_step'] / 1e3:.2f}",
+          *(f"{ms[c]:.2f}" for c in device_time.CLASSES),
+          f"{(p['wall_us_per_step'] - p['busy_us_per_step']) / 1e3:.2f}",
+          f"{r['flops_per_step'] / dense / 1e9:.1f}" if dense else "n/a",
+          f"{100 * p['found_in_hlo']:.0f}%",
+        ]
+      )
+      top = list(p["by_label_us"].items())[:6]
+      notes.append(
+        f"{name}, longest: "
+        + ", ".join(f"`{k}` {v / 1e3:.2f} ms" for k, v in top)
+        + "."
+      )
+    header = ["step", "traced ms/step", "device busy"]
+    header += [*device_time.CLASSES, "idle", "TFLOP/s in matmul+attention"]
+    header += ["kernels found in HLO"]
+    out += [
+      f"{r['model']}, batch {r['batch']}, loss {_run_label(r)}; {r['device']},"
+      f" jax {r['jax']}; ms per step, one round of {r['steps_per_round']}"
+      f" steps traced (traces in {r['trace_dir']}).",
+      "",
+      md.table(header, rows),
+      "",
+      *notes,
+      "",
+    ]
+  return "\n".join(out).rstrip()
 
 
 def loss_label(args) -> str:
@@ -602,6 +699,15 @@ def main(argv=None):
   print(table({"gpt2": result}))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+  if args.profile:  # after the timings are saved: a failed trace keeps them
+    result.update(
+      profiles=profile_steps(args, steps, state, tokens),
+      flops_per_step=model_flops(cfg, args.batch, n_flops),
+      trace_dir=args.profile,
+    )
+    print(profile_table({"gpt2": result}))
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
   return result
 
 

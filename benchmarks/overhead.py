@@ -540,10 +540,10 @@ def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
   kernel's bytes are its operands' sizes and
   its result's summed: what it moves if it reads each operand once, exact
   for elementwise kernels, an upper bound for those that read a slice."""
-  return [(op, moved) for op, moved, _ in _kernels(hlo_text)[0]]
+  return [(op, moved) for op, moved, _ in kernel_lines(hlo_text)[0]]
 
 
-def _kernels(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
+def kernel_lines(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
   """`kernel_list`'s kernels as (opcode, bytes, HLO line), and the module's
   computations by name (each a list of its lines)."""
   comps, name = {}, None
@@ -586,10 +586,22 @@ def _kernels(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
   return walk("ENTRY"), comps
 
 
+def instructions(comps: dict) -> dict[str, tuple[str, str]]:
+  """Every instruction of `kernel_lines`'s computations: name -> (opcode,
+  HLO line)."""
+  found = {}
+  for lines in comps.values():
+    for line in lines:
+      m = _INSTR.match(line)
+      if m:
+        found[line.split("=", 1)[0].split()[-1].lstrip("%")] = (m[1], line)
+  return found
+
+
 def count_reductions(hlo_text: str) -> int:
   """How many of `kernel_list`'s kernels reduce: a `reduce`, or a fusion
   whose fused computation holds one."""
-  return _reductions(*_kernels(hlo_text))
+  return _reductions(*kernel_lines(hlo_text))
 
 
 def _reductions(kernels: list[tuple[str, int, str]], comps: dict) -> int:
@@ -614,7 +626,7 @@ def kernel_summary(hlo_text: str) -> dict:
   MB they move, how many reduce (`count_reductions`), and how many
   conditionals the module still branches on (XLA's conditional simplifier
   may turn a skip's `lax.cond` into selects)."""
-  kernels, comps = _kernels(hlo_text)
+  kernels, comps = kernel_lines(hlo_text)
   found = [(op, moved) for op, moved, _ in kernels]
   return {
     "total": len(found),
@@ -771,34 +783,38 @@ def _kind(e: dict) -> str:
   return re.sub(r"\.\d+$", "", op) if op else re.sub(r"[._]\d+$", "", e["name"])
 
 
-def trace_summary(events: list[dict], steps: int, device: bool) -> dict:
-  """Per step: the kernels' time, their number and their union with the
-  transfers (the device's busy time), the host's dispatch time, and the time
-  by kernel kind.
-
-  With `device` (a GPU's trace) the kernels are the spans on the stream
-  lines (`Stream #...`) of the `/device:...` processes, the memory copies
-  and fills among them counted apart; the lines derived from them ("XLA
-  Ops", ...) are left out. Without it (XLA:CPU, which has no device
-  process) they are the thunks XLA:CPU runs, the spans with an `hlo_op`. A
-  span that holds others on its line (a conditional's) is not counted; the
-  kernels it ran are. Kinds drop the number of the name, so the kinds of
-  two compiled steps can be compared. Dispatch is the median of the host's
-  `PjitFunction(...)` spans: the jitted call, from Python until the work is
-  enqueued. A trace without kernels or dispatch spans is refused, with the
-  process and line names it has.
-  """
+def _lines(events: list[dict]) -> tuple[dict, dict]:
+  """A trace's process names by pid and line (thread) names by (pid, tid)."""
   process, thread = {}, {}
   for e in events:
     if e.get("ph") == "M" and e.get("name") == "process_name":
       process[e["pid"]] = e["args"]["name"]
     if e.get("ph") == "M" and e.get("name") == "thread_name":
       thread[(e["pid"], e["tid"])] = e["args"]["name"]
-  spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-  seen = (
+  return process, thread
+
+
+def lines_seen(process: dict, thread: dict) -> str:
+  """A trace's process and line names, for an error that says what it has."""
+  return (
     f"processes {sorted(process.values())}, lines"
     f" {sorted(set(thread.values()))}"
   )
+
+
+def device_work(events: list[dict], device: bool) -> tuple[list, dict, dict]:
+  """The device's work in a trace: its kernels and transfers (`is_transfer`),
+  the innermost spans only; and the trace's process and line names.
+
+  With `device` (a GPU's trace) the spans on the stream lines (`Stream
+  #...`) of the `/device:...` processes, the lines derived from them ("XLA
+  Ops", ...) left out. Without it (XLA:CPU, which has no device process)
+  the thunks XLA:CPU runs, the spans with an `hlo_op`. A span that holds
+  others on its line (a conditional's) is not counted; the kernels it ran
+  are.
+  """
+  process, thread = _lines(events)
+  spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
   if device:
     pids = {p for p, n in process.items() if n.startswith("/device:")}
     work = [
@@ -809,12 +825,40 @@ def trace_summary(events: list[dict], steps: int, device: bool) -> dict:
     ]
   else:
     work = [e for e in spans if "hlo_op" in e.get("args", {})]
-  work = _innermost(work)
-  kernels = [e for e in work if not e["name"].startswith(_TRANSFERS)]
+  return _innermost(work), process, thread
+
+
+def busy_us(work: list[dict]) -> float:
+  """How long any of the spans `work` ran (their union), in us."""
+  return _busy_us([_interval(e) for e in work])
+
+
+def is_transfer(e: dict) -> bool:
+  """A copy or fill on a GPU's stream: device work, but not a kernel."""
+  return e["name"].startswith(_TRANSFERS)
+
+
+def trace_summary(events: list[dict], steps: int, device: bool) -> dict:
+  """Per step: the kernels' time, their number and their union with the
+  transfers (the device's busy time), the host's dispatch time, and the time
+  by kernel kind.
+
+  The kernels are `device_work`'s spans, the memory copies and fills among
+  them counted apart. Kinds drop the number of the name, so the kinds of
+  two compiled steps can be compared. Dispatch is the median of the host's
+  `PjitFunction(...)` spans: the jitted call, from Python until the work is
+  enqueued. A trace without kernels or dispatch spans is refused, with the
+  process and line names it has.
+  """
+  work, process, thread = device_work(events, device)
+  spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  kernels = [e for e in work if not is_transfer(e)]
   dispatch = [e["dur"] for e in spans if e["name"].startswith("PjitFunction(")]
   if not kernels or not dispatch:
     missing = "device kernels" if not kernels else "PjitFunction spans"
-    raise ValueError(f"the trace has no {missing}; it has {seen}")
+    raise ValueError(
+      f"the trace has no {missing}; it has {lines_seen(process, thread)}"
+    )
   by_kind: dict[str, float] = {}
   for e in work:
     kind = _kind(e)
@@ -823,7 +867,7 @@ def trace_summary(events: list[dict], steps: int, device: bool) -> dict:
     "kernels_per_step": len(kernels) / steps,
     "transfers_per_step": (len(work) - len(kernels)) / steps,
     "kernel_us_per_step": sum(e["dur"] for e in kernels) / steps,
-    "busy_us_per_step": _busy_us([_interval(e) for e in work]) / steps,
+    "busy_us_per_step": busy_us(work) / steps,
     "dispatch_us_per_call": statistics.median(dispatch),
     "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
     "lines": sorted(

@@ -118,8 +118,11 @@ GPU_JOBS = {
   # writes its backward pass out (the whole logits read in one pass, not
   # scattered into) and reads its log-sum-exp in one pass, and the MLP's
   # GELU is recomputed in the backward pass.
+  # After the timing, one round of each step traced: where its device time
+  # goes, by class of kernel and by layer (benchmarks/device_time.py).
   "gpt2-xent": "gpt2.py --no-plain --autocast '' --presets bf16-mixed,fp16-mixed"
-  " --rounds 3 --tag 'loss written out, one-pass LSE, GELU remat'",
+  " --rounds 3 --tag 'loss written out, one-pass LSE, GELU remat'"
+  " --profile benchmarks/results/traces/gpt2",
   "gpt2-fused": "gpt2.py --loss fused --no-plain --autocast ''"
   " --presets bf16-mixed,fp16-mixed",
   # cuDNN's LayerNorm kernels in place of XLA's fusions (item 2's passes).
@@ -202,7 +205,7 @@ CPU_QUICK = {
   " --layers 1 --d-model 32 --heads 4 --vocab 64 --seq 8 --calls 3 --rounds 2",
 }
 GPU_QUICK = {
-  "gpt2": "gpt2.py --tiny --rounds 1",
+  "gpt2": "gpt2.py --tiny --rounds 1 --profile benchmarks/results/traces/gpt2",
   "gpt2-torch": "gpt2.py --torch --tiny --rounds 1",
   "loss-head-gpu": "loss_head.py --batch 2 --seq 128 --d-model 64"
   " --vocab 4096 --chunks 16,64 --rounds 2",

@@ -21,6 +21,7 @@ sys.path.insert(
 
 import autocast as autocast_bench
 import compile_time
+import device_time
 import fp8
 import gpt2
 import gpt2_memory
@@ -86,6 +87,8 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (gpt2.parse_args, ["--autocast", "fp17"], "--autocast: Unknown preset"),
     (gpt2.parse_args, ["--torch-precisions", "bf16,f16"], "'f16'; accepted"),
     (gpt2.parse_args, ["--presets", "bf16-mixed,"], "names an empty preset"),
+    (gpt2.parse_args, ["--torch", "--profile", "d"], "drop --kernels, --torch"),
+    (gpt2.parse_args, ["--kernels", "--profile", "d"], "drop --kernels"),
     (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "choice: 'bf16-lin'"),
     (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),
     (loss_head.parse_args, ["--chunks", "64,0"], "'64,0' is not a comma"),
@@ -475,21 +478,45 @@ def test_compile_time_steps_are_the_variants_it_builds():
   )
 
 
-def test_gpt2_benchmark_tiny_runs(capsys):
+def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
   result = gpt2.main(
     [
       *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
-      *("--steps-per-round", "1", "--warmup", "1", "--no-plain"),
+      *("--steps-per-round", "2", "--warmup", "1", "--no-plain"),
+      *("--profile", str(tmp_path)),
     ]
   )
-  assert [r["step"] for r in result["rows"]] == [
-    "hand-bf16",
-    "bf16-mixed",
-    "autocast bf16-mixed",
-  ]
+  names = ["hand-bf16", "bf16-mixed", "autocast bf16-mixed"]
+  assert [r["step"] for r in result["rows"]] == names
   for row in result["rows"]:
     assert row["tokens_per_s"] > 0 and row["mfu"] is None  # CPU: no peak
-  assert "| bf16-mixed |" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "| bf16-mixed |" in out
+  # --profile: each step's traced round read against its compiled HLO.
+  assert list(result["profiles"]) == names
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "autocast-bf16-mixed",
+    "bf16-mixed",
+    "hand-bf16",
+  ]
+  for p in result["profiles"].values():
+    # XLA:CPU's thunks each name their instruction.
+    assert p["found_in_hlo"] == 1.0 and p["steps"] == 2
+    assert sum(p["by_class_us"].values()) == pytest.approx(
+      p["kernel_us_per_step"]
+    )
+    assert sum(p["by_label_us"].values()) == pytest.approx(
+      p["kernel_us_per_step"]
+    )
+    assert p["by_class_us"]["matmul"] > 0
+    assert 0 < p["busy_us_per_step"] <= p["wall_us_per_step"]
+  # Kernels placed in the model's forward and backward passes.
+  labels = [k for p in result["profiles"].values() for k in p["by_label_us"]]
+  assert any(k.startswith("fwd ") for k in labels)
+  assert any(k.startswith("bwd block*/") for k in labels)
+  text = gpt2.profile_table({"gpt2": result})
+  assert "| bf16-mixed |" in text and "TFLOP/s in matmul+attention" in text
+  assert "| bf16-mixed |" in out.split("traced ms/step")[-1]
 
 
 def test_rounding_memory_compiles_each_preset_and_draw_size():
@@ -1129,6 +1156,134 @@ def test_trace_summary_counts_a_cpu_conditional_through_its_kernels():
   assert s["kernels_per_step"] == 4  # a, b, c, d; not the conditional
   assert s["by_kind_us"] == {"add": 9, "fusion": 16}
   assert s["busy_us_per_step"] == 5 + (19 - 11) + (29 - 20)
+
+
+# A module as XLA:GPU compiles one: a Triton GEMM fusion (its dot in a
+# nested fusion), a cuBLAS GEMM and cuDNN's attention as custom calls, a
+# reduction and an elementwise fusion, a copy; op_names as JAX writes them.
+GPU_HLO = """HloModule jit_step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add.1 = f32[] add(%a, %b)
+}
+
+%nested_dot (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemm_fusion_dot.3_computation (p0.1: bf16[64,32], p1.1: bf16[32,16]) -> bf16[64,16] {
+  %p0.1 = bf16[64,32]{1,0} parameter(0)
+  %p1.1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %fusion.7 = bf16[64,16]{1,0} fusion(%p0.1, %p1.1), kind=kCustom, calls=%nested_dot
+}
+
+%fused_reduce.2 (p0.2: f32[64,16]) -> f32[64] {
+  %p0.2 = f32[64,16]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  ROOT %reduce.3 = f32[64]{0} reduce(%p0.2, %c), dimensions={1}, to_apply=%add
+}
+
+%fused_multiply (p0.3: f32[64,16]) -> f32[64,16] {
+  %p0.3 = f32[64,16]{1,0} parameter(0)
+  ROOT %multiply.4 = f32[64,16]{1,0} multiply(%p0.3, %p0.3)
+}
+
+ENTRY %main.9 (x: bf16[64,32], w: bf16[32,16], g: f32[64,16], q: bf16[2,8,2,4]) -> (bf16[64,16], f32[64]) {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %w = bf16[32,16]{1,0} parameter(1)
+  %g = f32[64,16]{1,0} parameter(2)
+  %q = bf16[2,8,2,4]{3,2,1,0} parameter(3)
+  %gemm_fusion_dot.3 = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.3_computation, metadata={op_name="jit(step)/jvp(GPT)/block3/attn/qkv/dot_general"}
+  %custom-call.4 = (f32[64,16]{1,0}, s8[1024]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(GPT))/block7/jvp(GPT)/block7/checkpoint/block7._fc_gelu/fc/dot_general"}
+  %attention.5 = (bf16[2,8,2,4]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(step)/jvp(GPT)/block0/attn/dot_product_attention_fwd"}
+  %input_reduce_fusion.2 = f32[64]{0} fusion(%g), kind=kInput, calls=%fused_reduce.2, metadata={op_name="jit(step)/transpose(jvp(GPT))/block1/LayerNorm_0/reduce_sum"}
+  %loop_multiply_fusion = f32[64,16]{1,0} fusion(%g), kind=kLoop, calls=%fused_multiply, metadata={op_name="jit(step)/cond/branch_1_fun/mul"}
+  %copy.6 = f32[64,16]{0,1} copy(%g)
+  ROOT %tuple.8 = (bf16[64,16]{1,0}, f32[64]{0}) tuple(%gemm_fusion_dot.3, %input_reduce_fusion.2)
+}
+"""
+
+
+def test_device_time_reads_a_gpu_trace_against_its_hlo():
+  # As a GPU's trace shows a step: inside a CUDA graph every kernel's hlo_op
+  # names the graph, XLA's own kernels bear their fusion's name, cuBLAS's
+  # and cuDNN's their library's; one cuBLAS GEMM launched outside the graph
+  # names its custom call.
+  meta = [
+    dict(ph="M", name="process_name", pid=2, args={"name": "/device:GPU:0"}),
+    dict(ph="M", name="thread_name", pid=2, tid=7, args={"name": "Stream #7"}),
+  ]
+  graph = {"hlo_op": "command_buffer_1"}
+  step = [  # (name, us, args)
+    ("gemm_fusion_dot_3", 10, graph),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 20, graph),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma", 7, graph),
+    ("input_reduce_fusion_2", 3, graph),
+    ("loop_multiply_fusion", 2, graph),
+    ("Memset 0", 1, graph),
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x256", 5, {"hlo_op": "custom-call.4"}),
+    ("some_kernel_7", 4, graph),
+  ]  # fmt: skip
+  work, ts = [], 0
+  for _ in range(2):  # two steps, back to back
+    for name, us, args in step:
+      work.append(_span(name, ts, us, 7, pid=2, **args))
+      ts += us
+  s = device_time.summary(meta + work, GPU_HLO, 2, device=True)
+  assert s["by_class_us"] == {
+    "matmul": 10 + 20 + 5,
+    "attention": 7,
+    "reduction": 3,
+    "elementwise": 2,
+    "copy": 1,
+    "other": 4,
+  }
+  assert s["by_label_us"] == {
+    "matmul (library kernels)": 20,
+    "fwd attn/qkv/dot_general": 10,
+    "attention (library kernels)": 7,
+    "bwd block*._fc_gelu/fc/dot_general": 5,
+    "some_kernel": 4,
+    "bwd block*/LayerNorm_0/reduce_sum": 3,
+    "step cond/branch_1_fun/mul": 2,
+    "memcpy and memset": 1,
+  }
+  assert s["kernels_per_step"] == 8 and s["found_in_hlo"] == 4 / 8
+  assert s["kernel_us_per_step"] == s["busy_us_per_step"] == 52
+  # The longest labels kept, the rest summed.
+  short = device_time.summary(meta + work, GPU_HLO, 2, device=True, top=2)
+  assert short["by_label_us"] == {
+    "matmul (library kernels)": 20,
+    "fwd attn/qkv/dot_general": 10,
+    "other labels": 52 - 30,
+  }
+  with pytest.raises(ValueError, match="no device kernels.*Stream #7"):
+    device_time.summary(meta, GPU_HLO, 2, device=True)
+
+
+def test_device_time_labels_say_where_in_the_model():
+  wrapped = "jvp(_Wrapped)/_Wrapped._run/_Wrapped.body/module"
+  cases = {
+    "jit(step)/transpose(jvp(cross_entropy))/convert_element_type": (
+      "bwd cross_entropy/convert_element_type"
+    ),
+    f"jit(step)/transpose({wrapped})/block3/{wrapped}/block3/checkpoint"
+    "/block3._fc_gelu/fc/reduce_sum": "bwd block*._fc_gelu/fc/reduce_sum",
+    f"jit(step)/{wrapped}/block11/LayerNorm_0/jmp_train_policy_override"
+    "/reduce_sum": "fwd block*/LayerNorm_0/reduce_sum",
+    "jit(step)/jvp()/jit(_take)/gather": "fwd gather",
+    "jit(step)/add": "step add",
+  }
+  for op_name, want in cases.items():
+    line = f'%f.1 = f32[2] fusion(%p), metadata={{op_name="{op_name}"}}'
+    assert device_time.label("f.1", line) == want, op_name
+  assert device_time.label("loop_add_fusion.3", "%x = f32[2] add()") == (
+    "loop_add_fusion"
+  )
 
 
 def test_innermost_drops_only_spans_that_hold_another():
