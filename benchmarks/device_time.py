@@ -14,6 +14,11 @@ name: XLA names a fusion's kernel after the fusion (`loop_add_fusion_3` for
 where `hlo_op` names the graph. A kernel a library launched inside a graph
 (cuBLAS, cuDNN) has a library name: it is classed by that name and labelled
 as a library kernel.
+
+PyTorch's side (`torch_summary`) has no HLO: its kernels are classed by
+their names, which say what they are (Inductor's `triton_poi_` pointwise,
+`triton_red_` and `triton_per_` reductions, cuBLAS's and flash attention's
+kernels), and labelled by them.
 """
 
 import re
@@ -145,6 +150,16 @@ def locate(e: dict, index: dict) -> tuple[str, str]:
   return "other", re.sub(r"[._]\d+$", "", e["name"])
 
 
+def _longest(by_label: dict[str, float], top: int) -> dict[str, float]:
+  """The `top` labels that took longest, longest first, and the rest summed
+  as `other labels`."""
+  ranked = sorted(by_label.items(), key=lambda kv: -kv[1])
+  labels = dict(ranked[:top])
+  if len(ranked) > top:
+    labels["other labels"] = sum(us for _, us in ranked[top:])
+  return labels
+
+
 def summary(
   events: list[dict], hlo_text: str, steps: int, device: bool, top: int = 12
 ) -> dict:
@@ -169,10 +184,7 @@ def summary(
     by_class[cls] += e["dur"] / steps
     by_label[where] = by_label.get(where, 0.0) + e["dur"] / steps
     named += e.get("args", {}).get("hlo_op") in index or e["name"] in index
-  ranked = sorted(by_label.items(), key=lambda kv: -kv[1])
-  labels = dict(ranked[:top])
-  if len(ranked) > top:
-    labels["other labels"] = sum(us for _, us in ranked[top:])
+  labels = _longest(by_label, top)
   return {
     "steps": steps,
     "kernels_per_step": len(work) / steps,
@@ -181,4 +193,101 @@ def summary(
     "busy_us_per_step": overhead.busy_us(work) / steps,
     "by_class_us": by_class,
     "by_label_us": labels,
+  }
+
+
+# PyTorch's kernels by name, in order: a CUDA kernel's (Inductor's Triton
+# kernels, cuBLAS, flash attention, the fused optimizer's), or on a CPU the
+# aten op's.
+_TORCH = (
+  ("attention", re.compile(r"fmha|sdpa|flash|attention", re.I)),
+  (
+    "matmul",
+    re.compile(
+      r"gemm|xmma|cutlass|cublas|triton_tem_|aten::(mm|addmm|bmm|matmul)$",
+      re.I,
+    ),
+  ),
+  (
+    "reduction",
+    re.compile(
+      r"triton_(red|per)_|reduce|norm|softmax|non_finite"
+      r"|aten::(sum|mean|amax|max|min)$",
+      re.I,
+    ),
+  ),
+  ("copy", re.compile(r"memcpy|memset|aten::(copy_|_to_copy|clone)$", re.I)),
+  (
+    "elementwise",
+    re.compile(r"triton_poi_|elementwise|multi_tensor|adam|aten::", re.I),
+  ),
+)
+# The kinds of span torch.profiler's trace gives a GPU's kernels and copies.
+_TORCH_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def torch_class(name: str) -> str:
+  """The `CLASSES` entry of a PyTorch kernel (or aten op) by its name."""
+  for cls, pattern in _TORCH:
+    if pattern.search(name):
+      return cls
+  return "other"
+
+
+def self_times(spans: list[dict]) -> list[tuple[dict, float]]:
+  """Each span with its own time: its length less that of the spans it holds
+  directly on its line (an aten op's calls to others). Spans that hold none,
+  as a GPU's kernels, keep their whole length."""
+  out = []
+  by_line: dict[tuple, list[dict]] = {}
+  for e in spans:
+    by_line.setdefault((e["pid"], e["tid"]), []).append(e)
+  for line in by_line.values():
+    line.sort(key=lambda e: (e["ts"], -e["dur"]))
+    held: list[list] = []  # [span, own time, end], the outermost first
+    for e in line:
+      start, end = overhead.interval(e)
+      while held and held[-1][2] <= start:
+        out.append(tuple(held.pop()[:2]))
+      if held and end <= held[-1][2]:
+        held[-1][1] -= e["dur"]  # inside the span below it
+      held.append([e, e["dur"], end])
+    out += [tuple(x[:2]) for x in reversed(held)]
+  return out
+
+
+def torch_summary(
+  events: list[dict], steps: int, device: bool, top: int = 12
+) -> dict:
+  """`summary`'s figures for a torch.profiler trace (its Chrome trace's
+  events). With `device` the kernels and copies on the GPU; without, the
+  aten ops, each for its own time (`self_times`: a CPU's stand-in, ops
+  rather than kernels). Labels are the names without their trailing
+  numbers; `found_in_hlo` is None.
+
+  Raises:
+    ValueError: for a trace without kernels (or, on a CPU, ops).
+  """
+  kinds = _TORCH_DEVICE if device else ("cpu_op",)
+  work = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
+  if not work:
+    seen = sorted({str(e.get("cat")) for e in events})
+    raise ValueError(f"the trace has no kernels; its kinds of event: {seen}")
+  by_class = dict.fromkeys(CLASSES, 0.0)
+  by_label: dict[str, float] = {}
+  own = self_times(work)
+  for e, us in own:
+    name = e["name"]
+    cls = "copy" if e.get("cat") in _TORCH_DEVICE[1:] else torch_class(name)
+    by_class[cls] += us / steps
+    where = re.sub(r"(_\d+)+$", "", name)
+    by_label[where] = by_label.get(where, 0.0) + us / steps
+  return {
+    "steps": steps,
+    "kernels_per_step": len(work) / steps,
+    "found_in_hlo": None,
+    "kernel_us_per_step": sum(us for _, us in own) / steps,
+    "busy_us_per_step": overhead.busy_us(work) / steps,
+    "by_class_us": by_class,
+    "by_label_us": _longest(by_label, top),
   }

@@ -39,6 +39,7 @@ position embedding.
 """
 
 import argparse
+import gzip
 import json
 import os
 import pathlib
@@ -141,8 +142,8 @@ def parse_args(argv=None):
     p.error(f"--target {args.target} compiles without running: add --kernels")
   if args.kernels and args.torch:
     p.error("--kernels counts the JAX steps' kernels: drop --torch")
-  if args.profile and (args.kernels or args.torch):
-    p.error("--profile traces the JAX steps it times: drop --kernels, --torch")
+  if args.profile and args.kernels:
+    p.error("--profile traces the steps it times: drop --kernels")
   if "" in args.presets.split(","):
     p.error(f"--presets: {args.presets!r} names an empty preset")
   for flag in ("presets", "autocast"):
@@ -442,20 +443,25 @@ def profile_steps(args, steps: dict, state: dict, tokens) -> dict:
     )
     found["wall_us_per_step"] = 1e6 * wall / n
     out[name] = found
-    print(
-      f"{name}: traced {found['wall_us_per_step'] / 1e3:.2f} ms/step, device"
-      f" busy {found['busy_us_per_step'] / 1e3:.2f} ms, by class (ms)"
-      f" { {k: round(v / 1e3, 2) for k, v in found['by_class_us'].items()} }",
-      flush=True,
-    )
+    _print_profile(name, found)
   return out
+
+
+def _print_profile(name: str, found: dict) -> None:
+  by_class = {k: round(v / 1e3, 2) for k, v in found["by_class_us"].items()}
+  print(
+    f"{name}: traced {found['wall_us_per_step'] / 1e3:.2f} ms/step, device"
+    f" busy {found['busy_us_per_step'] / 1e3:.2f} ms, by class (ms) {by_class}",
+    flush=True,
+  )
 
 
 def profile_table(results: dict) -> str:
   """Per traced step: its device time by class of kernel, the time the
   device sat idle, the model's FLOPs over the matmuls' and attention's time
   alone, and the labels (places in the model) that took longest."""
-  runs = [r for r in _ours(results) if r.get("profiles")]
+  runs = [r for r in results.values() if r.get("profiles")]
+  runs.sort(key=lambda r: ("framework" in r, r["batch"]))  # ours first
   if not runs:
     return md.not_measured("benchmarks/gpt2.py --profile DIR (on a GPU)")
   out = []
@@ -472,7 +478,9 @@ def profile_table(results: dict) -> str:
           *(f"{ms[c]:.2f}" for c in device_time.CLASSES),
           f"{(p['wall_us_per_step'] - p['busy_us_per_step']) / 1e3:.2f}",
           f"{r['flops_per_step'] / dense / 1e9:.1f}" if dense else "n/a",
-          f"{100 * p['found_in_hlo']:.0f}%",
+          "n/a"
+          if p["found_in_hlo"] is None
+          else f"{100 * p['found_in_hlo']:.0f}%",
         ]
       )
       top = list(p["by_label_us"].items())[:6]
@@ -486,8 +494,8 @@ def profile_table(results: dict) -> str:
     header += ["kernels found in HLO"]
     out += [
       f"{r['model']}, batch {r['batch']}, loss {_run_label(r)}; {r['device']},"
-      f" jax {r['jax']}; ms per step, one round of {r['steps_per_round']}"
-      f" steps traced (traces in {r['trace_dir']}).",
+      f" {r.get('framework') or 'jax ' + r['jax']}; ms per step, one round of"
+      f" {r['steps_per_round']} steps traced (traces in {r['trace_dir']}).",
       "",
       md.table(header, rows),
       "",
@@ -535,7 +543,7 @@ def main_torch(args, cfg: dict) -> dict:
     steps, run_round, args.rounds, args.steps_per_round
   )
   peak = peak_flops(out["device_kind"])
-  return {
+  result = {
     "framework": f"torch {out['torch']}",
     "torch_compile": out["compiled"],
     "model": model_line(cfg, out["n_params"]),
@@ -548,6 +556,51 @@ def main_torch(args, cfg: dict) -> dict:
     "rows": timed_rows(seconds, cfg, args.batch, out["n_params_no_pos"], peak),
     "warm_loss": warm_loss,
   }
+  for x in result["rows"]:
+    print(f"{x['step']}: {x['ms']} ms/step, {x['tokens_per_s']:,} tokens/s")
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+  if args.profile:  # after the timings are saved: a failed trace keeps them
+    result.update(
+      profiles=profile_torch(args, steps, out["sync"]),
+      flops_per_step=model_flops(cfg, args.batch, out["n_params_no_pos"]),
+      trace_dir=args.profile,
+    )
+    print(profile_table({"gpt2-torch": result}))
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+  return result
+
+
+def profile_torch(args, steps: dict, sync) -> dict:
+  """`profile_steps` for the PyTorch twin: one round of each step under
+  torch.profiler, its Chrome trace written to DIR/<step>/trace.json.gz and
+  read by `device_time.torch_summary` (kernels by their names)."""
+  import torch
+
+  on_device = torch.cuda.is_available()
+  activities = [torch.profiler.ProfilerActivity.CPU]
+  if on_device:
+    activities.append(torch.profiler.ProfilerActivity.CUDA)
+  n = args.steps_per_round
+  out = {}
+  for name, step in steps.items():
+    where = pathlib.Path(args.profile) / name.replace(" ", "-")
+    where.mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=activities) as prof:
+      start = time.perf_counter()
+      for _ in range(n):
+        step()
+      sync()
+      wall = time.perf_counter() - start
+    prof.export_chrome_trace(str(where / "trace.json.gz"))  # gzipped
+    with gzip.open(where / "trace.json.gz") as f:
+      events = json.load(f)["traceEvents"]
+    found = device_time.torch_summary(events, n, device=on_device)
+    found["wall_us_per_step"] = 1e6 * wall / n
+    out[name] = found
+    _print_profile(name, found)
+  return out
 
 
 def main(argv=None):
@@ -559,12 +612,7 @@ def main(argv=None):
   topo = deviceless.start(args.target)
   cfg = config(args.tiny)
   if args.torch:
-    result = main_torch(args, cfg)
-    for x in result["rows"]:
-      print(f"{x['step']}: {x['ms']} ms/step, {x['tokens_per_s']:,} tokens/s")
-    if args.json:
-      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+    return main_torch(args, cfg)
   # Compiled for a GPU without one (--target), the attention is the cuDNN
   # kernel the GPU runs, not the XLA one JAX's CPU backend would pick.
   base = gpt_model.GPT(

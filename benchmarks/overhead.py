@@ -745,13 +745,13 @@ def _busy_us(spans: list[tuple[int, int]]) -> float:
   return busy / 1000
 
 
-def _interval(e: dict) -> tuple[int, int]:
+def interval(e: dict) -> tuple[int, int]:
   """A span's [start, end) in whole nanoseconds, so ends compare exactly
   (1.1 + 2.2 > 3.3 in floats)."""
   return round(e["ts"] * 1000), round((e["ts"] + e["dur"]) * 1000)
 
 
-def _innermost(spans: list[dict]) -> list[dict]:
+def innermost(spans: list[dict]) -> list[dict]:
   """The spans that hold no other span of their line: a conditional's or a
   loop's span, which holds the kernels it ran, is not a kernel itself. A
   span held must lie wholly inside, last a while and not be the same
@@ -759,7 +759,7 @@ def _innermost(spans: list[dict]) -> list[dict]:
   another's start, are all kept."""
   by_line: dict[tuple, list[tuple]] = {}
   for e in spans:
-    by_line.setdefault((e["pid"], e["tid"]), []).append((_interval(e), e))
+    by_line.setdefault((e["pid"], e["tid"]), []).append((interval(e), e))
   kept = []
   for line in by_line.values():
     line.sort(key=lambda ie: (ie[0][0], -ie[0][1]))
@@ -825,12 +825,12 @@ def device_work(events: list[dict], device: bool) -> tuple[list, dict, dict]:
     ]
   else:
     work = [e for e in spans if "hlo_op" in e.get("args", {})]
-  return _innermost(work), process, thread
+  return innermost(work), process, thread
 
 
 def busy_us(work: list[dict]) -> float:
   """How long any of the spans `work` ran (their union), in us."""
-  return _busy_us([_interval(e) for e in work])
+  return _busy_us([interval(e) for e in work])
 
 
 def is_transfer(e: dict) -> bool:

@@ -137,7 +137,7 @@ GPU_JOBS = {
   " --presets bf16-mixed,fp16-mixed"
   " --xla-flags='--xla_gpu_enable_cudnn_layer_norm=true"
   " --xla_gpu_enable_triton_gemm=false'",
-  "gpt2-torch": "gpt2.py --torch",
+  "gpt2-torch": "gpt2.py --torch --profile benchmarks/results/traces/gpt2-torch",
   "loss-head-gpu": "loss_head.py",
   "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",
   # One process per preset: the device's peak is that preset's alone.
@@ -206,7 +206,8 @@ CPU_QUICK = {
 }
 GPU_QUICK = {
   "gpt2": "gpt2.py --tiny --rounds 1 --profile benchmarks/results/traces/gpt2",
-  "gpt2-torch": "gpt2.py --torch --tiny --rounds 1",
+  "gpt2-torch": "gpt2.py --torch --tiny --rounds 1"
+  " --profile benchmarks/results/traces/gpt2-torch",
   "loss-head-gpu": "loss_head.py --batch 2 --seq 128 --d-model 64"
   " --vocab 4096 --chunks 16,64 --rounds 2",
   "gpt2-memory-bf16-mixed": "gpt2_memory.py --tiny --preset bf16-mixed",

@@ -87,7 +87,6 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (gpt2.parse_args, ["--autocast", "fp17"], "--autocast: Unknown preset"),
     (gpt2.parse_args, ["--torch-precisions", "bf16,f16"], "'f16'; accepted"),
     (gpt2.parse_args, ["--presets", "bf16-mixed,"], "names an empty preset"),
-    (gpt2.parse_args, ["--torch", "--profile", "d"], "drop --kernels, --torch"),
     (gpt2.parse_args, ["--kernels", "--profile", "d"], "drop --kernels"),
     (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "choice: 'bf16-lin'"),
     (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),
@@ -1265,6 +1264,78 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
     device_time.summary(meta, GPU_HLO, 2, device=True)
 
 
+def test_device_time_reads_a_torch_gpu_trace_by_kernel_names():
+  # torch.profiler's Chrome trace of a compiled nanoGPT step on a GPU:
+  # Inductor's Triton kernels, cuBLAS, flash attention, the fused AdamW and
+  # GradScaler's kernels, a memset; the CPU's ops beside them do not count.
+  names = {  # name -> (us, class)
+    "triton_per_fused_native_layer_norm_3": (4, "reduction"),
+    "triton_red_fused_sum_12": (1, "reduction"),
+    "triton_poi_fused_add_gelu_7": (6, "elementwise"),
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": (30, "matmul"),
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>(Params)": (9, "attention"),
+    "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>": (5, "elementwise"),
+    "void at::native::_amp_non_finite_check_and_unscale_cuda_": (2, "reduction"),
+    "some_library_kernel": (3, "other"),
+  }  # fmt: skip
+  events, ts = [], 0
+  for _ in range(2):  # two steps
+    for name, (us, _) in names.items():
+      events.append(
+        dict(ph="X", cat="kernel", name=name, ts=ts, dur=us, pid=0, tid=7)
+      )
+      ts += us
+    events.append(
+      dict(
+        ph="X",
+        cat="gpu_memset",
+        name="Memset (Device)",
+        ts=ts,
+        dur=1,
+        pid=0,
+        tid=7,
+      )
+    )
+    events.append(
+      dict(ph="X", cat="cpu_op", name="aten::mm", ts=ts, dur=50, pid=9, tid=1)
+    )
+    ts += 1
+  s = device_time.torch_summary(events, 2, device=True)
+  want = dict.fromkeys(device_time.CLASSES, 0)
+  for us, cls in names.values():
+    want[cls] += us
+  want["copy"] += 1
+  assert s["by_class_us"] == want
+  assert s["kernel_us_per_step"] == s["busy_us_per_step"] == 61
+  assert s["by_label_us"]["triton_per_fused_native_layer_norm"] == 4
+  assert s["found_in_hlo"] is None and s["kernels_per_step"] == 9
+  with pytest.raises(ValueError, match="no kernels.*cpu_op"):
+    device_time.torch_summary(events[-1:], 1, device=True)
+
+
+def test_self_times_take_each_span_less_what_it_holds():
+  def span(name, ts, dur, tid=1):
+    return dict(ph="X", name=name, ts=ts, dur=dur, pid=0, tid=tid)
+
+  spans = [
+    span("linear", 0, 10),
+    span("t", 1, 2),
+    span("addmm", 3, 6),
+    span("gemm", 4, 4),  # inside addmm, inside linear
+    span("add", 12, 3),  # after them
+    span("other thread", 2, 5, tid=2),
+  ]
+  own = {e["name"]: us for e, us in device_time.self_times(spans)}
+  assert own == {
+    "linear": 10 - 2 - 6,
+    "t": 2,
+    "addmm": 6 - 4,
+    "gemm": 4,
+    "add": 3,
+    "other thread": 5,
+  }
+
+
 def test_device_time_labels_say_where_in_the_model():
   wrapped = "jvp(_Wrapped)/_Wrapped._run/_Wrapped.body/module"
   cases = {
@@ -1289,7 +1360,7 @@ def test_device_time_labels_say_where_in_the_model():
 def test_innermost_drops_only_spans_that_hold_another():
   def kept(*spans):
     events = [_span(n, ts, dur, 1) for n, ts, dur in spans]
-    return sorted(e["name"] for e in overhead._innermost(events))
+    return sorted(e["name"] for e in overhead.innermost(events))
 
   assert kept(("cond", 0, 10), ("k", 2, 3)) == ["k"]
   assert kept(("cond", 0, 10), ("k", 0, 3)) == ["k"]  # at its start

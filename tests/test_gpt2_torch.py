@@ -7,6 +7,7 @@ that compares the two frameworks is tested without torch in
 test_benchmarks.py.
 """
 
+import json
 import pathlib
 import sys
 
@@ -84,7 +85,7 @@ def test_the_torch_benchmark_runs_and_counts_our_params(tmp_path):
     [
       *("--torch", "--tiny", "--no-compile", "--batch", "2"),
       *("--rounds", "1", "--steps-per-round", "1", "--warmup", "2"),
-      *("--json", str(out)),
+      *("--json", str(out), "--profile", str(tmp_path / "traces")),
     ]
   )
   assert [r["step"] for r in result["rows"]] == ["torch bf16", "torch fp16"]
@@ -97,4 +98,18 @@ def test_the_torch_benchmark_runs_and_counts_our_params(tmp_path):
     assert abs(loss - np.log(gpt2.config(True)["vocab"])) < 0.5
   shapes = gpt_model.init_shapes(gpt_model.GPT(**gpt2.config(True), tied=True))
   assert result["n_params"] == sum(s.size for s in jax.tree.leaves(shapes))
-  assert out.exists()
+  # --profile: one round of each step under torch.profiler; on a CPU the aten
+  # ops' own times stand in for kernels: the matmuls and attention among them.
+  assert json.loads(out.read_text())["profiles"] == result["profiles"]
+  for name, p in result["profiles"].items():
+    trace = tmp_path / "traces" / name.replace(" ", "-") / "trace.json.gz"
+    assert trace.exists() and p["found_in_hlo"] is None
+    assert p["by_class_us"]["matmul"] > 0 and p["by_class_us"]["attention"] > 0
+    assert sum(p["by_class_us"].values()) == pytest.approx(
+      p["kernel_us_per_step"]
+    )
+    # Own times add up to no less than the ops' union (more where threads
+    # overlap), and not to more than the round took.
+    assert p["busy_us_per_step"] <= p["kernel_us_per_step"] * (1 + 1e-6)
+    assert p["kernel_us_per_step"] <= p["wall_us_per_step"] * 2  # two threads
+  assert "| torch fp16 |" in gpt2.profile_table({"t": result})
