@@ -9,11 +9,15 @@ that a step's time reads per kind of work and per layer.
 
 A kernel is found in the HLO by the instruction the trace names (`hlo_op`:
 XLA:CPU's thunks, a GPU's kernels launched one by one), else by its own
-name: XLA names a fusion's kernel after the fusion (`loop_add_fusion_3` for
-`%loop_add_fusion.3`), which is what a GPU's trace shows inside a CUDA graph,
-where `hlo_op` names the graph. A kernel a library launched inside a graph
-(cuBLAS, cuDNN) has a library name: it is classed by that name and labelled
-as a library kernel.
+name, which is what a GPU's trace shows inside a CUDA graph, where `hlo_op`
+names the graph: XLA:GPU names a fusion's kernel after the fusion, every
+character but letters, digits and `_` as `_` (`loop_add_fusion_3` for
+`%loop_add_fusion.3`), and compiles fusions of the same body once, the
+kernel named after the first. So a kernel's name says which body, not which
+of the fusions that share it ran: such fusions share one label, merged from
+theirs (`merged_label`), and their class, which the body decides. A kernel
+a library launched inside a graph (cuBLAS, cuDNN) has a library name: it is
+classed by that name and labelled as a library kernel.
 
 PyTorch's side (`torch_summary`) has no HLO: its kernels are classed by
 their names, which say what they are (Inductor's `triton_poi_` pointwise,
@@ -21,6 +25,7 @@ their names, which say what they are (Inductor's `triton_poi_` pointwise,
 kernels), and labelled by them.
 """
 
+import os
 import re
 
 import overhead
@@ -29,9 +34,12 @@ CLASSES = ("matmul", "attention", "reduction", "elementwise", "copy", "other")
 
 # Library kernels by name, the attention's first: cuDNN's flash attention
 # kernels may name the tensor-core instructions a GEMM's name has too.
+# cuBLAS 12.8 and later name Hopper's GEMMs `nvjet_...`.
+_GEMM = r"gemm|xmma|cutlass|cublas|matmul|splitk|nvjet|gemv|conv"
 _LIBRARY = (
   ("attention", re.compile(r"fmha|sdpa|flash|attention", re.I)),
-  ("matmul", re.compile(r"gemm|xmma|cutlass|cublas|matmul|splitk", re.I)),
+  ("matmul", re.compile(_GEMM, re.I)),
+  ("reduction", re.compile(r"cudnn\$norm", re.I)),
   ("copy", re.compile(r"memcpy|memset", re.I)),
 )
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -63,7 +71,9 @@ def _holds(comps: dict, comp: str, pattern: re.Pattern, seen=None) -> bool:
   return False
 
 
-_DOT = re.compile(r"\s(dot|convolution|scaled-dot)\(")
+_DOT = re.compile(
+  r"\s(dot|convolution|scaled-dot)\(|custom_call_target=\"__cublas"
+)
 _REDUCE = re.compile(r"\s(reduce|reduce-window)\(")
 _ATTENTION = re.compile(r'custom_call_target="[^"]*(fmha|flash)', re.I)
 
@@ -92,7 +102,9 @@ def hlo_class(op: str, line: str, comps: dict) -> str:
       return "reduction"
     kind = _FUSION_KIND.search(line)
     return "other" if kind and kind[1] == "kCustom" else "elementwise"
-  if op.startswith(("all-", "collective", "reduce-scatter", "send", "recv")):
+  if op in overhead.HOLDERS or op.startswith(
+    ("all-", "collective", "reduce-scatter", "send", "recv")
+  ):
     return "other"
   return "elementwise"
 
@@ -119,29 +131,105 @@ def label(name: str, line: str) -> str:
       parts[-1] = part
     else:
       parts.append(part)
-  return f"{where} {'/'.join(parts[-3:])}"
+  return " ".join([where, "/".join(parts[-3:])]).rstrip()
 
 
-def hlo_index(hlo_text: str) -> dict[str, tuple[str, str]]:
-  """Each instruction of a compiled module, under its HLO name and the name
-  XLA gives its kernel (the number after `_`), as (class, label)."""
+def merged_label(labels: list[str]) -> str:
+  """One label for the fusions that share a kernel: theirs where they agree.
+  Else the passes they are in, then: where their paths differ in one part
+  alone, that part as what its values start with up to a `_` or `.`, and
+  `*` (`block*/LayerNorm_*/rsqrt`); otherwise the parts their paths end
+  with alike and how many places (`.../rsqrt (3 places)`)."""
+  unique = sorted(set(labels))
+  if len(unique) == 1:
+    return unique[0]
+  split = [(x.split(" ", 1) + [""])[:2] for x in unique]
+  where = "|".join(sorted({w for w, _ in split}))
+  paths = [p.split("/") for _, p in split]
+  columns = list(zip(*paths, strict=False))
+  differ = [i for i, c in enumerate(columns) if len(set(c)) > 1]
+  if len({len(p) for p in paths}) == 1 and len(differ) == 1:
+    parts = list(paths[0])
+    start = os.path.commonprefix(columns[differ[0]])
+    parts[differ[0]] = (
+      start[: max(start.rfind("_"), start.rfind(".")) + 1] + "*"
+    )
+    return f"{where} {'/'.join(parts)}"
+  tail = []
+  for column in zip(*(reversed(p) for p in paths), strict=False):
+    if len(set(column)) > 1:
+      break
+    tail.insert(0, column[0])
+  if not tail:
+    return f"{where}, {len(unique)} places"
+  return f"{where} .../{'/'.join(tail)} ({len(unique)} places)"
+
+
+def _body_key(line: str, comps: dict) -> tuple[str, str] | None:
+  """What XLA:GPU's kernel reuse compares of a fusion, as near as its text
+  says: the result's shape and the fused computations, names and metadata
+  left out; None for an instruction that is not a fusion."""
+  called = _CALLS.search(line)
+  if " fusion(" not in line or not called:
+    return None
+  text, todo, seen = [], [called[1]], set()
+  while todo:
+    comp = todo.pop()
+    if comp in seen:
+      continue
+    seen.add(comp)
+    for x in comps.get(comp, []):
+      x = re.sub(r",\s*metadata=\{[^}]*\}", "", x)
+      todo += _CALLS.findall(x) + re.findall(r"to_apply=%?([\w.\-]+)", x)
+      text.append(re.sub(r"%[\w.\-]+", "%", x).strip())
+  return line.split("=", 1)[1].split(" fusion(")[0], "\n".join(text)
+
+
+def kernel_name(name: str) -> str:
+  """The name XLA:GPU gives an instruction's kernel: every character but
+  letters, digits and `_` as `_`."""
+  return re.sub(r"\W", "_", name)
+
+
+def hlo_index(hlo_text: str) -> tuple[dict, dict, dict]:
+  """Each instruction of a compiled module, as (class, label), in three
+  maps: by its HLO name (a trace's `hlo_op`), by its kernel's name
+  (`kernel_name`; fusions of the same body, XLA:GPU's one kernel, share
+  `merged_label` of theirs), and the instructions that hold others (calls,
+  loops, conditionals) by their HLO names apart: XLA:CPU runs a small call
+  as one thunk that names it, where a GPU's trace names a CUDA graph's call
+  as each of its kernels' `hlo_op` (`summary` finds those by their own
+  names)."""
   _, comps = overhead.kernel_lines(hlo_text)
-  index = {}
+  by_hlo, holders, shared = {}, {}, {}
   for name, (op, line) in overhead.instructions(comps).items():
     found = (hlo_class(op, line, comps), label(name, line))
-    index[name] = found
-    index.setdefault(re.sub(r"\.(\d+)$", r"_\1", name), found)
-  return index
+    if op in overhead.HOLDERS:
+      holders[name] = found
+      continue
+    by_hlo[name] = found
+    shared.setdefault(_body_key(line, comps) or name, []).append(name)
+  by_kernel = {}
+  for names in shared.values():
+    merged = merged_label([by_hlo[n][1] for n in names])
+    for n in names:
+      by_kernel.setdefault(kernel_name(n), (by_hlo[n][0], merged))
+  return by_hlo, by_kernel, holders
 
 
-def locate(e: dict, index: dict) -> tuple[str, str]:
-  """A trace span's (class, label): by the instruction it names, by its own
-  name, else by a library's kernel name."""
+def locate(
+  e: dict, by_hlo: dict, by_kernel: dict, holders: dict
+) -> tuple[str, str]:
+  """A trace span's (class, label), from `hlo_index`'s maps: by the
+  instruction it names (`hlo_op`), by its own name as a kernel's, by the
+  call that holds it, else by a library's kernel name."""
   op = e.get("args", {}).get("hlo_op")
-  if op in index:
-    return index[op]
-  if e["name"] in index:
-    return index[e["name"]]
+  if op in by_hlo:
+    return by_hlo[op]
+  if e["name"] in by_kernel:
+    return by_kernel[e["name"]]
+  if op in holders:
+    return holders[op]
   if overhead.is_transfer(e):
     return "copy", "memcpy and memset"
   for cls, pattern in _LIBRARY:
@@ -165,8 +253,11 @@ def summary(
 ) -> dict:
   """Per step: the device's time by class and by label (the `top` labels
   that took longest, the rest summed as `other labels`), its busy time (the
-  union of its spans) and how many kernels it ran. `hlo_text` is the
-  compiled module the trace ran; `device` as `overhead.device_work`'s.
+  union of its spans), and its kernels' number and summed time, copies and
+  fills among them (so the classes add up to it). `found_in_hlo` is the
+  share of them found in the HLO by name (not a library's kernels, copies
+  or fills). `hlo_text` is the compiled module the trace ran; `device` as
+  `overhead.device_work`'s.
 
   Raises:
     ValueError: for a trace without device work.
@@ -175,15 +266,19 @@ def summary(
   if not work:
     seen = overhead.lines_seen(process, thread)
     raise ValueError(f"the trace has no device kernels; it has {seen}")
-  index = hlo_index(hlo_text)
+  by_hlo, by_kernel, holders = hlo_index(hlo_text)
+  if device:  # a GPU's call holds a CUDA graph's kernels: found by name
+    holders = {}
+  index = by_hlo, by_kernel, holders
   by_class = dict.fromkeys(CLASSES, 0.0)
   by_label: dict[str, float] = {}
   named = 0
   for e in work:
-    cls, where = locate(e, index)
+    cls, where = locate(e, *index)
     by_class[cls] += e["dur"] / steps
     by_label[where] = by_label.get(where, 0.0) + e["dur"] / steps
-    named += e.get("args", {}).get("hlo_op") in index or e["name"] in index
+    op = e.get("args", {}).get("hlo_op")
+    named += op in by_hlo or e["name"] in by_kernel or op in holders
   labels = _longest(by_label, top)
   return {
     "steps": steps,
@@ -196,31 +291,24 @@ def summary(
   }
 
 
-# PyTorch's kernels by name, in order: a CUDA kernel's (Inductor's Triton
-# kernels, cuBLAS, flash attention, the fused optimizer's), or on a CPU the
-# aten op's.
+# PyTorch's kernels by name, in order: Inductor's Triton kernels by their
+# prefix first (their names go on with the ops they fused: `triton_poi_fused_
+# native_layer_norm_backward_7` is pointwise), then the libraries' (cuBLAS,
+# flash attention, the fused optimizer's), or on a CPU the aten op's.
 _TORCH = (
+  ("elementwise", re.compile(r"^triton_poi_")),
+  ("reduction", re.compile(r"^triton_(red|per)_")),
+  ("matmul", re.compile(r"^triton_tem_")),
   ("attention", re.compile(r"fmha|sdpa|flash|attention", re.I)),
-  (
-    "matmul",
-    re.compile(
-      r"gemm|xmma|cutlass|cublas|triton_tem_|aten::(mm|addmm|bmm|matmul)$",
-      re.I,
-    ),
-  ),
+  ("matmul", re.compile(_GEMM + r"|aten::(mm|addmm|bmm|matmul)$", re.I)),
   (
     "reduction",
     re.compile(
-      r"triton_(red|per)_|reduce|norm|softmax|non_finite"
-      r"|aten::(sum|mean|amax|max|min)$",
-      re.I,
+      r"reduce|norm|softmax|non_finite|aten::(sum|mean|amax|max|min)$", re.I
     ),
   ),
   ("copy", re.compile(r"memcpy|memset|aten::(copy_|_to_copy|clone)$", re.I)),
-  (
-    "elementwise",
-    re.compile(r"triton_poi_|elementwise|multi_tensor|adam|aten::", re.I),
-  ),
+  ("elementwise", re.compile(r"elementwise|multi_tensor|adam|aten::", re.I)),
 )
 # The kinds of span torch.profiler's trace gives a GPU's kernels and copies.
 _TORCH_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -236,8 +324,9 @@ def torch_class(name: str) -> str:
 
 def self_times(spans: list[dict]) -> list[tuple[dict, float]]:
   """Each span with its own time: its length less that of the spans it holds
-  directly on its line (an aten op's calls to others). Spans that hold none,
-  as a GPU's kernels, keep their whole length."""
+  directly on its line (an aten op's calls to others). A span holds another
+  that lies inside it and is not the same interval; spans that overlap only
+  in part, or coincide, each keep their whole length."""
   out = []
   by_line: dict[tuple, list[dict]] = {}
   for e in spans:
@@ -249,7 +338,8 @@ def self_times(spans: list[dict]) -> list[tuple[dict, float]]:
       start, end = overhead.interval(e)
       while held and held[-1][2] <= start:
         out.append(tuple(held.pop()[:2]))
-      if held and end <= held[-1][2]:
+      inside = held and end <= held[-1][2]
+      if inside and (start, end) != overhead.interval(held[-1][0]):
         held[-1][1] -= e["dur"]  # inside the span below it
       held.append([e, e["dur"], end])
     out += [tuple(x[:2]) for x in reversed(held)]
@@ -275,7 +365,8 @@ def torch_summary(
     raise ValueError(f"the trace has no kernels; its kinds of event: {seen}")
   by_class = dict.fromkeys(CLASSES, 0.0)
   by_label: dict[str, float] = {}
-  own = self_times(work)
+  # A GPU's kernels do not nest: two that overlap ran side by side.
+  own = [(e, e["dur"]) for e in work] if device else self_times(work)
   for e, us in own:
     name = e["name"]
     cls = "copy" if e.get("cat") in _TORCH_DEVICE[1:] else torch_class(name)

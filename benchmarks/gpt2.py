@@ -165,6 +165,15 @@ def parse_args(argv=None):
   return args
 
 
+def save(path: str, result: dict) -> None:
+  """`result` as JSON at `path`, written beside it and renamed: a run killed
+  while writing (a time limit during `--profile`) keeps the whole file it
+  had."""
+  tmp = pathlib.Path(path + ".tmp")
+  tmp.write_text(json.dumps(result, indent=1))
+  tmp.replace(path)
+
+
 def peak_flops(kind: str) -> float | None:
   for name, peak in PEAK_BF16.items():
     if name in kind:
@@ -559,7 +568,7 @@ def main_torch(args, cfg: dict) -> dict:
   for x in result["rows"]:
     print(f"{x['step']}: {x['ms']} ms/step, {x['tokens_per_s']:,} tokens/s")
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    save(args.json, result)
   if args.profile:  # after the timings are saved: a failed trace keeps them
     result.update(
       profiles=profile_torch(args, steps, out["sync"]),
@@ -568,7 +577,7 @@ def main_torch(args, cfg: dict) -> dict:
     )
     print(profile_table({"gpt2-torch": result}))
     if args.json:
-      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+      save(args.json, result)
   return result
 
 
@@ -706,7 +715,7 @@ def main(argv=None):
     result = kernels_main(args, cfg, steps, tokens, params, topo)
     print(kernels_table({"gpt2-kernels": result}))
     if args.json:
-      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+      save(args.json, result)
     return result
 
   state = {}
@@ -746,7 +755,7 @@ def main(argv=None):
   }
   print(table({"gpt2": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    save(args.json, result)
   if args.profile:  # after the timings are saved: a failed trace keeps them
     result.update(
       profiles=profile_steps(args, steps, state, tokens),
@@ -755,7 +764,7 @@ def main(argv=None):
     )
     print(profile_table({"gpt2": result}))
     if args.json:
-      pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+      save(args.json, result)
   return result
 
 

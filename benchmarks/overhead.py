@@ -487,7 +487,7 @@ _CALLED = re.compile(
 )
 # Instructions whose called computations hold the kernels (XLA:GPU puts runs
 # of kernels in command buffers, `call(...), to_apply=%command_buffer`).
-_HOLDERS = ("conditional", "while", "call", "async-start")
+HOLDERS = ("conditional", "while", "call", "async-start")
 # XLA:CPU compiles a call with this attribute into one kernel.
 _SMALL_CALL = 'xla_cpu_small_call="true"'
 
@@ -569,7 +569,7 @@ def kernel_lines(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
       sizes[name] = _shape_bytes(rhs[: rhs.index(f" {op}(")])
       if op in _NO_KERNEL:
         continue
-      if op in _HOLDERS and _SMALL_CALL not in line:
+      if op in HOLDERS and _SMALL_CALL not in line:
         called = []
         for a, b in _CALLED.findall(line):
           called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]

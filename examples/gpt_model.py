@@ -214,8 +214,8 @@ def cross_entropy(logits, targets, *, one_pass: bool = True):
       logits' without their last axis.
   """
   targets = _checked_targets(targets, logits.shape[:-1], logits.shape[-1])
-  # Both passes under one name, so that a profile says which kernels are the
-  # loss's (benchmarks/device_time.py reads it from the HLO's metadata).
+  # Both passes under one name: the compiled HLO's metadata, and so a
+  # profile, say which kernels are the loss's.
   with jax.named_scope("cross_entropy"):
     return _cross_entropy(one_pass, logits, targets)
 
