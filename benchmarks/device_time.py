@@ -35,7 +35,7 @@ CLASSES = ("matmul", "attention", "reduction", "elementwise", "copy", "other")
 # Library kernels by name, the attention's first: cuDNN's flash attention
 # kernels may name the tensor-core instructions a GEMM's name has too.
 # cuBLAS 12.8 and later name Hopper's GEMMs `nvjet_...`.
-_GEMM = r"gemm|xmma|cutlass|cublas|matmul|splitk|nvjet|gemv|conv"
+_GEMM = r"gemm|xmma|cutlass|cublas|matmul|splitk|nvjet|gemv|conv(?!ert)"
 _LIBRARY = (
   ("attention", re.compile(r"fmha|sdpa|flash|attention", re.I)),
   ("matmul", re.compile(_GEMM, re.I)),
@@ -102,9 +102,17 @@ def hlo_class(op: str, line: str, comps: dict) -> str:
       return "reduction"
     kind = _FUSION_KIND.search(line)
     return "other" if kind and kind[1] == "kCustom" else "elementwise"
-  if op in overhead.HOLDERS or op.startswith(
-    ("all-", "collective", "reduce-scatter", "send", "recv")
-  ):
+  if op in overhead.HOLDERS:  # XLA:CPU runs a small call as one thunk
+    for called in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", line):
+      for cls, pattern in (
+        ("matmul", _DOT),
+        ("attention", _ATTENTION),
+        ("reduction", _REDUCE),
+      ):
+        if _holds(comps, called, pattern):
+          return cls
+    return "elementwise"
+  if op.startswith(("all-", "collective", "reduce-scatter", "send", "recv")):
     return "other"
   return "elementwise"
 
@@ -136,59 +144,83 @@ def label(name: str, line: str) -> str:
 
 def merged_label(labels: list[str]) -> str:
   """One label for the fusions that share a kernel: theirs where they agree.
-  Else the passes they are in, then: where their paths differ in one part
-  alone, that part as what its values start with up to a `_` or `.`, and
-  `*` (`block*/LayerNorm_*/rsqrt`); otherwise the parts their paths end
-  with alike and how many places (`.../rsqrt (3 places)`)."""
+  Else the passes they are in, then: the path where they differ in the pass
+  alone; where their paths differ in one part alone, that part as what its
+  values start with up to a `_` or `.`, and `*` (`block*/LayerNorm_*/rsqrt`);
+  otherwise the parts their paths end with alike and how many places
+  (`.../rsqrt (3 places)`). A label without metadata (a name alone) has no
+  pass."""
   unique = sorted(set(labels))
   if len(unique) == 1:
     return unique[0]
-  split = [(x.split(" ", 1) + [""])[:2] for x in unique]
-  where = "|".join(sorted({w for w, _ in split}))
+  split = [x.split(" ", 1) if " " in x else ["", x] for x in unique]
+  where = "|".join(sorted({w for w, _ in split} - {""}))
   paths = [p.split("/") for _, p in split]
   columns = list(zip(*paths, strict=False))
   differ = [i for i, c in enumerate(columns) if len(set(c)) > 1]
-  if len({len(p) for p in paths}) == 1 and len(differ) == 1:
+  if len({len(p) for p in paths}) == 1 and len(differ) <= 1:
     parts = list(paths[0])
-    start = os.path.commonprefix(columns[differ[0]])
-    parts[differ[0]] = (
-      start[: max(start.rfind("_"), start.rfind(".")) + 1] + "*"
-    )
-    return f"{where} {'/'.join(parts)}"
+    if differ:
+      start = os.path.commonprefix(columns[differ[0]])
+      cut = max(start.rfind("_"), start.rfind(".")) + 1
+      parts[differ[0]] = start[:cut] + "*"
+    return f"{where} {'/'.join(parts)}".strip()
   tail = []
   for column in zip(*(reversed(p) for p in paths), strict=False):
     if len(set(column)) > 1:
       break
     tail.insert(0, column[0])
-  if not tail:
-    return f"{where}, {len(unique)} places"
-  return f"{where} .../{'/'.join(tail)} ({len(unique)} places)"
+  if any(tail):
+    return f"{where} .../{'/'.join(tail)} ({len(unique)} places)".strip()
+  return ", ".join(filter(None, [where, f"{len(unique)} places"]))
+
+
+_DEFINES = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
+_CALLED = re.compile(r"((?:calls|to_apply)=)%?([\w.\-]+)")
+
+
+def _canonical(lines: list[str]) -> list[str]:
+  """A computation's lines, metadata left out, each value named by its place
+  (`%v0`, `%v1`, ...) and the computations they call as `c` (their own
+  lines follow in `_body_key`)."""
+  lines = [re.sub(r",\s*metadata=\{[^}]*\}", "", x) for x in lines]
+  place = {}
+  for x in lines:
+    if m := _DEFINES.match(x):
+      place[m[1]] = f"%v{len(place)}"
+  out = []
+  for x in lines:
+    x = _CALLED.sub(r"\1c", x)
+    out.append(re.sub(r"%([\w.\-]+)", lambda m: place.get(m[1], m[0]), x))
+  return [x.strip() for x in out]
 
 
 def _body_key(line: str, comps: dict) -> tuple[str, str] | None:
   """What XLA:GPU's kernel reuse compares of a fusion, as near as its text
-  says: the result's shape and the fused computations, names and metadata
-  left out; None for an instruction that is not a fusion."""
+  says: the result's shape and the fused computations (`_canonical`), so
+  that two bodies match where they compute the same from the same operands.
+  None for an instruction that is not a fusion, or whose computations are
+  not all in `comps`."""
   called = _CALLS.search(line)
   if " fusion(" not in line or not called:
     return None
   text, todo, seen = [], [called[1]], set()
   while todo:
-    comp = todo.pop()
+    comp = todo.pop(0)
     if comp in seen:
       continue
+    if comp not in comps:
+      return None
     seen.add(comp)
-    for x in comps.get(comp, []):
-      x = re.sub(r",\s*metadata=\{[^}]*\}", "", x)
-      todo += _CALLS.findall(x) + re.findall(r"to_apply=%?([\w.\-]+)", x)
-      text.append(re.sub(r"%[\w.\-]+", "%", x).strip())
+    todo += [name for x in comps[comp] for _, name in _CALLED.findall(x)]
+    text += _canonical(comps[comp])
   return line.split("=", 1)[1].split(" fusion(")[0], "\n".join(text)
 
 
 def kernel_name(name: str) -> str:
   """The name XLA:GPU gives an instruction's kernel: every character but
-  letters, digits and `_` as `_`."""
-  return re.sub(r"\W", "_", name)
+  ASCII letters, digits, `_` and `$` as `_`."""
+  return re.sub(r"[^A-Za-z0-9_$]", "_", name)
 
 
 def hlo_index(hlo_text: str) -> tuple[dict, dict, dict]:
@@ -293,10 +325,10 @@ def summary(
 
 # PyTorch's kernels by name, in order: Inductor's Triton kernels by their
 # prefix first (their names go on with the ops they fused: `triton_poi_fused_
-# native_layer_norm_backward_7` is pointwise), then the libraries' (cuBLAS,
+# native_layer_norm_backward_7` is pointwise; `triton_for_`, foreach), then the libraries' (cuBLAS,
 # flash attention, the fused optimizer's), or on a CPU the aten op's.
 _TORCH = (
-  ("elementwise", re.compile(r"^triton_poi_")),
+  ("elementwise", re.compile(r"^triton_(poi|for)_")),
   ("reduction", re.compile(r"^triton_(red|per)_")),
   ("matmul", re.compile(r"^triton_tem_")),
   ("attention", re.compile(r"fmha|sdpa|flash|attention", re.I)),
@@ -325,8 +357,9 @@ def torch_class(name: str) -> str:
 def self_times(spans: list[dict]) -> list[tuple[dict, float]]:
   """Each span with its own time: its length less that of the spans it holds
   directly on its line (an aten op's calls to others). A span holds another
-  that lies inside it and is not the same interval; spans that overlap only
-  in part, or coincide, each keep their whole length."""
+  that lies inside it; of two with the same interval, the first listed
+  holds the second (one thread runs one op at a time: a call and what it
+  called). Spans that overlap only in part each keep their whole length."""
   out = []
   by_line: dict[tuple, list[dict]] = {}
   for e in spans:
@@ -338,8 +371,7 @@ def self_times(spans: list[dict]) -> list[tuple[dict, float]]:
       start, end = overhead.interval(e)
       while held and held[-1][2] <= start:
         out.append(tuple(held.pop()[:2]))
-      inside = held and end <= held[-1][2]
-      if inside and (start, end) != overhead.interval(held[-1][0]):
+      if held and end <= held[-1][2]:
         held[-1][1] -= e["dur"]  # inside the span below it
       held.append([e, e["dur"], end])
     out += [tuple(x[:2]) for x in reversed(held)]

@@ -165,11 +165,12 @@ def parse_args(argv=None):
   return args
 
 
-def save(path: str, result: dict) -> None:
-  """`result` as JSON at `path`, written beside it and renamed: a run killed
-  while writing (a time limit during `--profile`) keeps the whole file it
-  had."""
-  tmp = pathlib.Path(path + ".tmp")
+def save(path, result: dict) -> None:
+  """`result` as JSON at `path` (a str or path), written beside it and
+  renamed: a run killed while writing (a time limit during `--profile`)
+  keeps the whole file it had."""
+  path = pathlib.Path(path)
+  tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(json.dumps(result, indent=1))
   tmp.replace(path)
 

@@ -500,7 +500,14 @@ def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
   ]
   for p in result["profiles"].values():
     # XLA:CPU's thunks each name their instruction.
-    assert p["found_in_hlo"] == 1.0
+    assert p["found_in_hlo"] == 1.0 and p["steps"] == 2
+    # Every span in one class and under one label.
+    assert sum(p["by_class_us"].values()) == pytest.approx(
+      p["kernel_us_per_step"]
+    )
+    assert sum(p["by_label_us"].values()) == pytest.approx(
+      p["kernel_us_per_step"]
+    )
     assert p["by_class_us"]["matmul"] > 0
     assert 0 < p["busy_us_per_step"] <= p["wall_us_per_step"]
   # Kernels placed in the model's forward and backward passes.
@@ -508,8 +515,25 @@ def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
   assert any(k.startswith("fwd ") for k in labels)
   assert any(k.startswith("bwd block*/") for k in labels)
   text = gpt2.profile_table({"gpt2": result})
-  assert "| bf16-mixed |" in text
+  assert "| bf16-mixed |" in text and "TFLOP/s in matmul+attention" in text
   assert "| bf16-mixed |" in out.split("traced ms/step")[-1]
+
+
+def test_gpt2_save_keeps_the_whole_file_it_had(monkeypatch, tmp_path):
+  # A run killed while writing (a time limit during --profile) leaves the
+  # last whole JSON, not a torn one.
+  out = tmp_path / "gpt2.json"
+  gpt2.save(str(out), {"rows": [1]})
+  write = pathlib.Path.write_text
+
+  def killed(self, text, *args, **kwargs):
+    write(self, text[:5])
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(pathlib.Path, "write_text", killed)
+  with pytest.raises(KeyboardInterrupt):
+    gpt2.save(out, {"rows": [1, 2]})
+  assert json.loads(out.read_text()) == {"rows": [1]}
 
 
 def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
@@ -1214,6 +1238,12 @@ GPU_HLO = """HloModule jit_step
   ROOT %add.6 = f32[64,16]{1,0} add(%p0.5, %p0.5)
 }
 
+%cublas_wrapped (p0.7: bf16[64,32], p1.7: bf16[32,16]) -> f32[64,16] {
+  %p0.7 = bf16[64,32]{1,0} parameter(0)
+  %p1.7 = bf16[32,16]{1,0} parameter(1)
+  ROOT %custom-call.10 = f32[64,16]{1,0} custom-call(%p0.7, %p1.7), custom_call_target="__cublas$lt$matmul"
+}
+
 %graph (p0.6: f32[64,16]) -> f32[64,16] {
   %p0.6 = f32[64,16]{1,0} parameter(0)
   ROOT %loop_add_fusion.9.clone = f32[64,16]{1,0} fusion(%p0.6), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/jvp(GPT)/block2/out/add"}
@@ -1231,6 +1261,8 @@ ENTRY %main.9 (x: bf16[64,32], w: bf16[32,16], g: f32[64,16], q: bf16[2,8,2,4]) 
   %loop_multiply_fusion = f32[64,16]{1,0} fusion(%g), kind=kLoop, calls=%fused_multiply, metadata={op_name="jit(step)/cond/branch_1_fun/mul"}
   %loop_multiply_fusion.1 = f32[64,16]{1,0} fusion(%g), kind=kLoop, calls=%fused_multiply.1, metadata={op_name="jit(step)/jvp(GPT)/block4/mul"}
   %command_buffer.1 = f32[64,16]{1,0} call(%g), to_apply=%graph
+  %address_computation.11 = f32[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%cublas_wrapped, metadata={op_name="jit(step)/jvp(GPT)/block5/out/dot_general"}
+  %norm.12 = (f32[64,16]{1,0}, u8[0]{0}) custom-call(%g), custom_call_target="__cudnn$norm", metadata={op_name="jit(step)/jvp(GPT)/block6/LayerNorm_0/norm"}
   %copy.6 = f32[64,16]{0,1} copy(%g)
   ROOT %tuple.8 = (bf16[64,16]{1,0}, f32[64]{0}) tuple(%gemm_fusion_dot.3, %input_reduce_fusion.2)
 }
@@ -1247,7 +1279,7 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
     dict(ph="M", name="process_name", pid=2, args={"name": "/device:GPU:0"}),
     dict(ph="M", name="thread_name", pid=2, tid=7, args={"name": "Stream #7"}),
   ]
-  graph = {"hlo_op": "command_buffer.1"}  # the call that holds them
+  graph = {"hlo_op": "command_buffer_1"}  # as an H200's trace names it
   step = [  # (name, us, args)
     ("gemm_fusion_dot_3", 10, graph),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 12, graph),
@@ -1259,7 +1291,10 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
     ("loop_add_fusion_9_clone", 6, graph),
     ("Memset 0", 1, graph),
     ("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x256", 5, {"hlo_op": "custom-call.4"}),
-    ("some_kernel_7", 4, graph),
+    # Were the graph's call named so in the HLO, its kernels stay their own.
+    ("some_kernel_7", 4, {"hlo_op": "command_buffer.1"}),
+    ("address_computation_11", 9, graph),  # a fusion around cuBLAS
+    ("cudnn_norm_kernel", 2, {"hlo_op": "norm.12"}),
   ]  # fmt: skip
   work, ts = [], 0
   for _ in range(2):  # two steps, back to back
@@ -1268,9 +1303,9 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
       ts += us
   s = device_time.summary(meta + work, GPU_HLO, 2, device=True)
   assert s["by_class_us"] == {
-    "matmul": 10 + 12 + 8 + 5,
+    "matmul": 10 + 12 + 8 + 5 + 9,
     "attention": 7,
-    "reduction": 3,
+    "reduction": 3 + 2,
     "elementwise": 2 + 2 + 6,
     "copy": 1,
     "other": 4,
@@ -1278,25 +1313,32 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
   assert s["by_label_us"] == {
     "matmul (library kernels)": 12 + 8,
     "fwd attn/qkv/dot_general": 10,
+    "fwd block*/out/dot_general": 9,
     "attention (library kernels)": 7,
     "fwd block*/out/add": 6,
     "bwd block*._fc_gelu/fc/dot_general": 5,
     "fwd|step .../mul (2 places)": 2 + 2,
     "some_kernel": 4,
     "bwd block*/LayerNorm_0/reduce_sum": 3,
+    "fwd block*/LayerNorm_0/norm": 2,
     "memcpy and memset": 1,
   }
-  assert s["kernels_per_step"] == 11 and s["found_in_hlo"] == 6 / 11
-  assert s["kernel_us_per_step"] == s["busy_us_per_step"] == 60
+  assert s["kernels_per_step"] == 13 and s["found_in_hlo"] == 8 / 13
+  assert s["kernel_us_per_step"] == s["busy_us_per_step"] == 71
   # The longest labels kept, the rest summed.
   short = device_time.summary(meta + work, GPU_HLO, 2, device=True, top=2)
   assert short["by_label_us"] == {
     "matmul (library kernels)": 20,
     "fwd attn/qkv/dot_general": 10,
-    "other labels": 60 - 30,
+    "other labels": 71 - 30,
   }
   with pytest.raises(ValueError, match="no device kernels.*Stream #7"):
     device_time.summary(meta, GPU_HLO, 2, device=True)
+  # XLA:CPU runs a small call as one thunk that names it: classed by what it
+  # calls (here an add's fusion).
+  call = _span("command_buffer.1", 0, 5, 1, hlo_op="command_buffer.1")
+  cpu = device_time.summary([call], GPU_HLO, 1, device=False)
+  assert cpu["by_class_us"]["elementwise"] == 5 and cpu["found_in_hlo"] == 1
 
 
 def test_merged_label_keeps_what_the_fusions_share():
@@ -1309,6 +1351,9 @@ def test_merged_label_keeps_what_the_fusions_share():
     "fwd .../rsqrt (2 places)"
   )
   assert merged(["fwd x/a_1/add", "fwd x/b_2/add"]) == "fwd x/*/add"
+  assert merged(["bwd x/add", "fwd x/add"]) == "bwd|fwd x/add"
+  # A label without metadata is a name, in no pass.
+  assert merged(["wrapped_convert", "fwd x/convert"]) == "fwd, 2 places"
   assert merged(["bwd x/add", "fwd y/mul", "fwd y/mul"]) == "bwd|fwd, 2 places"
 
 
@@ -1381,7 +1426,7 @@ def test_self_times_take_each_span_less_what_it_holds():
     span("addmm", 3, 6),
     span("gemm", 4, 4),  # inside addmm, inside linear
     span("add", 12, 3),  # after them
-    span("same", 12, 3),  # the same interval: not inside it
+    span("same", 12, 3),  # the same interval: what add called
     span("other thread", 2, 5, tid=2),
   ]
   own = {e["name"]: us for e, us in device_time.self_times(spans)}
@@ -1390,7 +1435,7 @@ def test_self_times_take_each_span_less_what_it_holds():
     "t": 2,
     "addmm": 6 - 4,
     "gemm": 4,
-    "add": 3,
+    "add": 3 - 3,
     "same": 3,
     "other thread": 5,
   }

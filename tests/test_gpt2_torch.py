@@ -105,6 +105,10 @@ def test_the_torch_benchmark_runs_and_counts_our_params(tmp_path):
     trace = tmp_path / "traces" / name.replace(" ", "-") / "trace.json.gz"
     assert trace.exists() and p["found_in_hlo"] is None
     assert p["by_class_us"]["matmul"] > 0 and p["by_class_us"]["attention"] > 0
+    # Every op's own time in one class.
+    assert sum(p["by_class_us"].values()) == pytest.approx(
+      p["kernel_us_per_step"]
+    )
     # Own times add up to no less than the ops' union (more where threads
     # overlap), and not to more than the round took.
     assert p["busy_us_per_step"] <= p["kernel_us_per_step"] * (1 + 1e-6)
