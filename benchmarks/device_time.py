@@ -43,7 +43,6 @@ _LIBRARY = (
   ("copy", re.compile(r"memcpy|memset", re.I)),
 )
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _FUSION_KIND = re.compile(r"kind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 # Path parts of an op_name that say how, not where: the wrappers' frames,
@@ -53,6 +52,9 @@ _HOW = re.compile(
   r"|jmp_train_policy_override$)"
 )
 _TRANSFORMED = re.compile(r"\w+\((.*)\)")
+
+
+_CALLED = re.compile(r"((?:calls|to_apply)=)%?([\w.\-]+)")
 
 
 def _holds(comps: dict, comp: str, pattern: re.Pattern, seen=None) -> bool:
@@ -65,7 +67,7 @@ def _holds(comps: dict, comp: str, pattern: re.Pattern, seen=None) -> bool:
   for line in comps.get(comp, []):
     if pattern.search(line):
       return True
-    for called in _CALLS.findall(line):
+    for _, called in _CALLED.findall(line):
       if _holds(comps, called, pattern, seen):
         return True
   return False
@@ -76,10 +78,13 @@ _DOT = re.compile(
 )
 _REDUCE = re.compile(r"\s(reduce|reduce-window)\(")
 _ATTENTION = re.compile(r'custom_call_target="[^"]*(fmha|flash)', re.I)
+_BODIES = (("matmul", _DOT), ("attention", _ATTENTION), ("reduction", _REDUCE))
 
 
 def hlo_class(op: str, line: str, comps: dict) -> str:
-  """The `CLASSES` entry of one instruction of a compiled module."""
+  """The `CLASSES` entry of one instruction of a compiled module. A fusion,
+  and a call, loop or conditional (XLA:CPU runs a small call as one thunk),
+  by what the computations it calls hold."""
   if op in ("dot", "convolution", "scaled-dot"):
     return "matmul"
   if op == "custom-call":
@@ -92,26 +97,13 @@ def hlo_class(op: str, line: str, comps: dict) -> str:
     return "reduction"
   if op.startswith("copy"):
     return "copy"
-  if op == "fusion":
-    body = _CALLS.search(line)[1]
-    if _holds(comps, body, _DOT):
-      return "matmul"
-    if _holds(comps, body, _ATTENTION):
-      return "attention"
-    if _holds(comps, body, _REDUCE):
-      return "reduction"
+  if op == "fusion" or op in overhead.HOLDERS:
+    called = [name for _, name in _CALLED.findall(line)]
+    for cls, pattern in _BODIES:
+      if any(_holds(comps, c, pattern) for c in called):
+        return cls
     kind = _FUSION_KIND.search(line)
     return "other" if kind and kind[1] == "kCustom" else "elementwise"
-  if op in overhead.HOLDERS:  # XLA:CPU runs a small call as one thunk
-    for called in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", line):
-      for cls, pattern in (
-        ("matmul", _DOT),
-        ("attention", _ATTENTION),
-        ("reduction", _REDUCE),
-      ):
-        if _holds(comps, called, pattern):
-          return cls
-    return "elementwise"
   if op.startswith(("all-", "collective", "reduce-scatter", "send", "recv")):
     return "other"
   return "elementwise"
@@ -176,7 +168,6 @@ def merged_label(labels: list[str]) -> str:
 
 
 _DEFINES = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
-_CALLED = re.compile(r"((?:calls|to_apply)=)%?([\w.\-]+)")
 
 
 def _canonical(lines: list[str]) -> list[str]:
@@ -201,10 +192,10 @@ def _body_key(line: str, comps: dict) -> tuple[str, str] | None:
   that two bodies match where they compute the same from the same operands.
   None for an instruction that is not a fusion, or whose computations are
   not all in `comps`."""
-  called = _CALLS.search(line)
+  called = _CALLED.search(line)
   if " fusion(" not in line or not called:
     return None
-  text, todo, seen = [], [called[1]], set()
+  text, todo, seen = [], [called[2]], set()
   while todo:
     comp = todo.pop(0)
     if comp in seen:
@@ -249,19 +240,21 @@ def hlo_index(hlo_text: str) -> tuple[dict, dict, dict]:
   return by_hlo, by_kernel, holders
 
 
-def locate(
-  e: dict, by_hlo: dict, by_kernel: dict, holders: dict
-) -> tuple[str, str]:
-  """A trace span's (class, label), from `hlo_index`'s maps: by the
+def _in_hlo(e: dict, by_hlo: dict, by_kernel: dict, holders: dict):
+  """A trace span's (class, label) from `hlo_index`'s maps: by the
   instruction it names (`hlo_op`), by its own name as a kernel's, by the
-  call that holds it, else by a library's kernel name."""
+  call that holds it; None where the HLO does not have it."""
   op = e.get("args", {}).get("hlo_op")
   if op in by_hlo:
     return by_hlo[op]
   if e["name"] in by_kernel:
     return by_kernel[e["name"]]
-  if op in holders:
-    return holders[op]
+  return holders.get(op)
+
+
+def _by_name(e: dict) -> tuple[str, str]:
+  """A span the HLO does not have: a copy or fill, or a library's kernel
+  by its name."""
   if overhead.is_transfer(e):
     return "copy", "memcpy and memset"
   for cls, pattern in _LIBRARY:
@@ -270,14 +263,28 @@ def locate(
   return "other", re.sub(r"[._]\d+$", "", e["name"])
 
 
-def _longest(by_label: dict[str, float], top: int) -> dict[str, float]:
-  """The `top` labels that took longest, longest first, and the rest summed
-  as `other labels`."""
+def _totals(timed: list, work: list[dict], steps: int, top: int) -> dict:
+  """`summary`'s figures from each span's (own microseconds, class, label)
+  in `timed`: per step by class and by label (the `top` longest labels, the
+  rest summed as `other labels`), the spans' number and summed time, and
+  the union of `work`'s spans (the busy time)."""
+  by_class = dict.fromkeys(CLASSES, 0.0)
+  by_label: dict[str, float] = {}
+  for us, cls, where in timed:
+    by_class[cls] += us / steps
+    by_label[where] = by_label.get(where, 0.0) + us / steps
   ranked = sorted(by_label.items(), key=lambda kv: -kv[1])
   labels = dict(ranked[:top])
   if len(ranked) > top:
     labels["other labels"] = sum(us for _, us in ranked[top:])
-  return labels
+  return {
+    "steps": steps,
+    "kernels_per_step": len(work) / steps,
+    "kernel_us_per_step": sum(us for us, _, _ in timed) / steps,
+    "busy_us_per_step": overhead.busy_us(work) / steps,
+    "by_class_us": by_class,
+    "by_label_us": labels,
+  }
 
 
 def summary(
@@ -301,32 +308,19 @@ def summary(
   by_hlo, by_kernel, holders = hlo_index(hlo_text)
   if device:  # a GPU's call holds a CUDA graph's kernels: found by name
     holders = {}
-  index = by_hlo, by_kernel, holders
-  by_class = dict.fromkeys(CLASSES, 0.0)
-  by_label: dict[str, float] = {}
-  named = 0
-  for e in work:
-    cls, where = locate(e, *index)
-    by_class[cls] += e["dur"] / steps
-    by_label[where] = by_label.get(where, 0.0) + e["dur"] / steps
-    op = e.get("args", {}).get("hlo_op")
-    named += op in by_hlo or e["name"] in by_kernel or op in holders
-  labels = _longest(by_label, top)
-  return {
-    "steps": steps,
-    "kernels_per_step": len(work) / steps,
-    "found_in_hlo": named / len(work),
-    "kernel_us_per_step": sum(e["dur"] for e in work) / steps,
-    "busy_us_per_step": overhead.busy_us(work) / steps,
-    "by_class_us": by_class,
-    "by_label_us": labels,
-  }
+  found = [_in_hlo(e, by_hlo, by_kernel, holders) for e in work]
+  timed = [
+    (e["dur"], *(f or _by_name(e))) for e, f in zip(work, found, strict=True)
+  ]
+  in_hlo = sum(f is not None for f in found) / len(work)
+  return {**_totals(timed, work, steps, top), "found_in_hlo": in_hlo}
 
 
 # PyTorch's kernels by name, in order: Inductor's Triton kernels by their
-# prefix first (their names go on with the ops they fused: `triton_poi_fused_
-# native_layer_norm_backward_7` is pointwise; `triton_for_`, foreach), then the libraries' (cuBLAS,
-# flash attention, the fused optimizer's), or on a CPU the aten op's.
+# prefix first (their names go on with the ops they fused:
+# `triton_poi_fused_native_layer_norm_backward_7` is pointwise;
+# `triton_for_`, foreach), then the libraries' (cuBLAS, flash attention, the
+# fused optimizer's), or on a CPU the aten op's.
 _TORCH = (
   ("elementwise", re.compile(r"^triton_(poi|for)_")),
   ("reduction", re.compile(r"^triton_(red|per)_")),
@@ -395,22 +389,14 @@ def torch_summary(
   if not work:
     seen = sorted({str(e.get("cat")) for e in events})
     raise ValueError(f"the trace has no kernels; its kinds of event: {seen}")
-  by_class = dict.fromkeys(CLASSES, 0.0)
-  by_label: dict[str, float] = {}
   # A GPU's kernels do not nest: two that overlap ran side by side.
   own = [(e, e["dur"]) for e in work] if device else self_times(work)
-  for e, us in own:
-    name = e["name"]
-    cls = "copy" if e.get("cat") in _TORCH_DEVICE[1:] else torch_class(name)
-    by_class[cls] += us / steps
-    where = re.sub(r"(_\d+)+$", "", name)
-    by_label[where] = by_label.get(where, 0.0) + us / steps
-  return {
-    "steps": steps,
-    "kernels_per_step": len(work) / steps,
-    "found_in_hlo": None,
-    "kernel_us_per_step": sum(us for _, us in own) / steps,
-    "busy_us_per_step": overhead.busy_us(work) / steps,
-    "by_class_us": by_class,
-    "by_label_us": _longest(by_label, top),
-  }
+  timed = [
+    (
+      us,
+      "copy" if e.get("cat") in _TORCH_DEVICE[1:] else torch_class(e["name"]),
+      re.sub(r"(_\d+)+$", "", e["name"]),
+    )
+    for e, us in own
+  ]
+  return {**_totals(timed, work, steps, top), "found_in_hlo": None}
