@@ -13,7 +13,6 @@ Two measurements, side by side in one process:
 """
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
@@ -131,7 +130,7 @@ def main(argv=None):
   }
   print(table({"autocast": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

@@ -25,7 +25,6 @@ times in rotated order; the figures are the medians, tracing and lowering
 """
 
 import argparse
-import json
 import pathlib
 import platform
 import statistics
@@ -325,7 +324,7 @@ def main(argv=None):
   }
   print(table({"compile": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

@@ -42,7 +42,6 @@ import argparse
 import collections
 import functools
 import json
-import os
 import pathlib
 import re
 import statistics
@@ -749,7 +748,7 @@ def main(argv=None):
     def done(rows):  # written per size: the H200's job of 2026-11-27 ran
       result["matmul"] = rows  # past its 150 s limit and left nothing
       if args.json:
-        _write_json(args.json, result)
+        md.write_json(args.json, result)
 
     time_matmuls(sizes, args.recipes, args.rounds, args.warmup, done)
     print(matmul_table({"fp8-matmul": result}))
@@ -763,17 +762,8 @@ def main(argv=None):
     result["gather"] = gather_bytes(gpt.parse_args(args.example_args))
     print(gather_table({"fp8-gather": result}))
   if args.json:
-    _write_json(args.json, result)
+    md.write_json(args.json, result)
   return result
-
-
-def _write_json(path, result: dict) -> None:
-  """`result` at `path` whole or not at all: written beside it, then moved
-  over it, so a kill mid-write leaves the sizes written before."""
-  path = pathlib.Path(path)
-  part = path.with_name(path.name + ".part")
-  part.write_text(json.dumps(result, indent=1))
-  os.replace(part, path)
 
 
 if __name__ == "__main__":

@@ -165,16 +165,6 @@ def parse_args(argv=None):
   return args
 
 
-def save(path, result: dict) -> None:
-  """`result` as JSON at `path` (a str or path), written beside it and
-  renamed: a run killed while writing (a time limit during `--profile`)
-  keeps the whole file it had."""
-  path = pathlib.Path(path)
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(result, indent=1))
-  tmp.replace(path)
-
-
 def peak_flops(kind: str) -> float | None:
   for name, peak in PEAK_BF16.items():
     if name in kind:
@@ -405,6 +395,18 @@ def model_flops(cfg: dict, batch: int, n_flops: int) -> int:
   return per_token * batch * seq
 
 
+def base_model(cfg: dict, target: str | None) -> gpt_model.GPT:
+  """The unwrapped model of `config`, tied, with fused attention. Compiled
+  for a GPU without one (`target`), the attention is the cuDNN kernel the
+  GPU runs, not the XLA one JAX's CPU backend would pick."""
+  return gpt_model.GPT(
+    **cfg,
+    tied=True,
+    fused_attention=True,
+    platform="gpu" if target else None,
+  )
+
+
 def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
   """gpt2.py's row per step from its median seconds per step; `n_flops` the
   params that count (without the position embedding)."""
@@ -428,33 +430,61 @@ def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
   return rows
 
 
+def saved_then_profiled(args, result: dict, profile, flops_per_step) -> dict:
+  """`result` (a run's timings) saved to `args.json`; then, with
+  `--profile`, `profile()`'s traces added (with the model's FLOPs per step,
+  for the table) and saved again. The timings are saved first: a trace that
+  fails keeps them."""
+  if args.json:
+    md.write_json(args.json, result)
+  if args.profile:
+    result.update(
+      profiles=profile(), flops_per_step=flops_per_step, trace_dir=args.profile
+    )
+    print(profile_table({"gpt2": result}))
+    if args.json:
+      md.write_json(args.json, result)
+  return result
+
+
+def _profile_each(args, names, trace) -> dict:
+  """Each step's profile: `trace(name, where)` runs one round of
+  `args.steps_per_round` steps under a profiler, writing into
+  `where` (DIR/<step>), and returns the summary of its trace and the round's
+  seconds; the wall time per step is added."""
+  out = {}
+  for name in names:
+    where = pathlib.Path(args.profile) / name.replace(" ", "-")
+    found, seconds = trace(name, where)
+    found["wall_us_per_step"] = 1e6 * seconds / args.steps_per_round
+    out[name] = found
+    _print_profile(name, found)
+  return out
+
+
 def profile_steps(args, steps: dict, state: dict, tokens) -> dict:
-  """After the timing: one round of each step traced into DIR/<step>, its
-  wall time taken, and the trace read against the step's compiled HLO
+  """After the timing: one round of each step traced with `jax.profiler`,
+  and the trace read against the step's compiled HLO
   (`device_time.summary`). `state` holds each step's live state, and gets
   the state the round leaves. The HLO is the program that ran: lowering and
   compiling again finds it in JAX's cache."""
-  root = pathlib.Path(args.profile)
   on_device = jax.devices()[0].platform != "cpu"
   n = args.steps_per_round
-  out = {}
-  for name, (step, _) in steps.items():
+
+  def trace(name, where):
+    step = steps[name][0]
     hlo = step.lower(state[name], tokens).compile().as_text()
-    where = root / name.replace(" ", "-")
     s = state[name]
     with jax.profiler.trace(str(where), create_perfetto_trace=True):
       start = time.perf_counter()
       for _ in range(n):
         s, _ = step(s, tokens)
       state[name] = jax.block_until_ready(s)
-      wall = time.perf_counter() - start
-    found = device_time.summary(
-      overhead.read_trace(where), hlo, n, device=on_device
-    )
-    found["wall_us_per_step"] = 1e6 * wall / n
-    out[name] = found
-    _print_profile(name, found)
-  return out
+      seconds = time.perf_counter() - start
+    events = overhead.read_trace(where)
+    return device_time.summary(events, hlo, n, device=on_device), seconds
+
+  return _profile_each(args, steps, trace)
 
 
 def _print_profile(name: str, found: dict) -> None:
@@ -568,18 +598,12 @@ def main_torch(args, cfg: dict) -> dict:
   }
   for x in result["rows"]:
     print(f"{x['step']}: {x['ms']} ms/step, {x['tokens_per_s']:,} tokens/s")
-  if args.json:
-    save(args.json, result)
-  if args.profile:  # after the timings are saved: a failed trace keeps them
-    result.update(
-      profiles=profile_torch(args, steps, out["sync"]),
-      flops_per_step=model_flops(cfg, args.batch, out["n_params_no_pos"]),
-      trace_dir=args.profile,
-    )
-    print(profile_table({"gpt2-torch": result}))
-    if args.json:
-      save(args.json, result)
-  return result
+  return saved_then_profiled(
+    args,
+    result,
+    lambda: profile_torch(args, steps, out["sync"]),
+    model_flops(cfg, args.batch, out["n_params_no_pos"]),
+  )
 
 
 def profile_torch(args, steps: dict, sync) -> dict:
@@ -593,24 +617,21 @@ def profile_torch(args, steps: dict, sync) -> dict:
   if on_device:
     activities.append(torch.profiler.ProfilerActivity.CUDA)
   n = args.steps_per_round
-  out = {}
-  for name, step in steps.items():
-    where = pathlib.Path(args.profile) / name.replace(" ", "-")
+
+  def trace(name, where):
     where.mkdir(parents=True, exist_ok=True)
     with torch.profiler.profile(activities=activities) as prof:
       start = time.perf_counter()
       for _ in range(n):
-        step()
+        steps[name]()
       sync()
-      wall = time.perf_counter() - start
+      seconds = time.perf_counter() - start
     prof.export_chrome_trace(str(where / "trace.json.gz"))  # gzipped
     with gzip.open(where / "trace.json.gz") as f:
       events = json.load(f)["traceEvents"]
-    found = device_time.torch_summary(events, n, device=on_device)
-    found["wall_us_per_step"] = 1e6 * wall / n
-    out[name] = found
-    _print_profile(name, found)
-  return out
+    return device_time.torch_summary(events, n, device=on_device), seconds
+
+  return _profile_each(args, steps, trace)
 
 
 def main(argv=None):
@@ -623,14 +644,7 @@ def main(argv=None):
   cfg = config(args.tiny)
   if args.torch:
     return main_torch(args, cfg)
-  # Compiled for a GPU without one (--target), the attention is the cuDNN
-  # kernel the GPU runs, not the XLA one JAX's CPU backend would pick.
-  base = gpt_model.GPT(
-    **cfg,
-    tied=True,
-    fused_attention=True,
-    platform="gpu" if args.target else None,
-  )
+  base = base_model(cfg, args.target)
   seq = cfg["seq_len"]
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(
@@ -716,7 +730,7 @@ def main(argv=None):
     result = kernels_main(args, cfg, steps, tokens, params, topo)
     print(kernels_table({"gpt2-kernels": result}))
     if args.json:
-      save(args.json, result)
+      md.write_json(args.json, result)
     return result
 
   state = {}
@@ -755,18 +769,12 @@ def main(argv=None):
     "jax": jax.__version__,
   }
   print(table({"gpt2": result}))
-  if args.json:
-    save(args.json, result)
-  if args.profile:  # after the timings are saved: a failed trace keeps them
-    result.update(
-      profiles=profile_steps(args, steps, state, tokens),
-      flops_per_step=model_flops(cfg, args.batch, n_flops),
-      trace_dir=args.profile,
-    )
-    print(profile_table({"gpt2": result}))
-    if args.json:
-      save(args.json, result)
-  return result
+  return saved_then_profiled(
+    args,
+    result,
+    lambda: profile_steps(args, steps, state, tokens),
+    model_flops(cfg, args.batch, n_flops),
+  )
 
 
 if __name__ == "__main__":

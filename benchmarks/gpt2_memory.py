@@ -21,7 +21,6 @@ The model and step are `benchmarks/gpt2.py`'s (`linen.wrap`,
 """
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -62,14 +61,7 @@ def main(argv=None):
   args = parse_args(argv)
   topo = deviceless.start(args.target)
   cfg = gpt2.config(args.tiny)
-  # Compiled for a GPU without one, the attention is the cuDNN kernel the
-  # GPU runs (as in gpt2.py --kernels --target).
-  base = gpt_model.GPT(
-    **cfg,
-    tied=True,
-    fused_attention=True,
-    platform="gpu" if args.target else None,
-  )
+  base = gpt2.base_model(cfg, args.target)
   preset = jmp_train.get_preset(args.preset)
   model = jmp_train.linen.wrap(base, preset.policy, fp8=preset.fp8)
   rng = np.random.default_rng(0)
@@ -122,7 +114,7 @@ def main(argv=None):
     }
   print(table({args.preset: result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

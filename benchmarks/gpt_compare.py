@@ -10,7 +10,6 @@ Arguments this script does not know go to the example.
 """
 
 import argparse
-import json
 import pathlib
 import shutil
 import sys
@@ -42,7 +41,7 @@ def main(argv=None):
   }
   print(table({"gpt": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

@@ -31,7 +31,6 @@ overhead.py) by default; 74 layers give 148 params, GPT-2 small's count.
 
 import argparse
 import json
-import pathlib
 import platform
 
 import jax
@@ -156,7 +155,7 @@ def main(argv=None):
   print(json.dumps(result, indent=1))
   print(table({"r": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

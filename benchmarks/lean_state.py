@@ -27,7 +27,6 @@ are compared with. Four parts, one process each:
 """
 
 import argparse
-import json
 import pathlib
 import shutil
 import statistics
@@ -513,7 +512,7 @@ def main(argv=None):
     result, table = measure_speed(args, presets), speed_table
   print(table({args.part: result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

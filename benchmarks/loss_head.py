@@ -33,7 +33,6 @@ compiles for that GPU on a machine without one (`benchmarks/deviceless.py`).
 """
 
 import argparse
-import json
 import pathlib
 import re
 import statistics
@@ -163,7 +162,7 @@ def main(argv=None):
   }
   print(table({"loss-head": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

@@ -1,4 +1,18 @@
-"""Markdown helpers the benchmark scripts share to write their tables (`md.table`)."""
+"""What the benchmark scripts share to write their results: the JSON file
+(`write_json`) and the markdown helpers of their tables (`md.table`)."""
+
+import json
+import pathlib
+
+
+def write_json(path, result: dict) -> None:
+  """`result` as JSON at `path` (a str or path), whole or not at all: written
+  beside it, then renamed over it, so a run killed while writing (a GPU
+  job's time limit) keeps the whole file it had."""
+  path = pathlib.Path(path)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(result, indent=1))
+  tmp.replace(path)
 
 
 def table(header: list[str], rows: list[list]) -> str:

@@ -101,7 +101,7 @@ def worker(args) -> None:
       "collectives": collectives,
       "n_params": sum(p.size for p in jax.tree.leaves(params)),
     }
-    pathlib.Path(args.worker).write_text(json.dumps(result, indent=1))
+    md.write_json(args.worker, result)
 
 
 def run_side(name, model_flags, out, timeout_s):
@@ -235,7 +235,7 @@ def main(argv=None):
   }
   print(table({"multihost": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

@@ -1075,7 +1075,7 @@ def main(argv=None):
   else:
     result = timing_main(args, steps, base, make_params, x, y)
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

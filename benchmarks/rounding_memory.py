@@ -17,7 +17,6 @@ batch B, where XLA:CPU holds the drawn bits beside the activations.
 """
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -128,7 +127,7 @@ def main(argv=None):
   }
   print(table({"rounding-memory": result}))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

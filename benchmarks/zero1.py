@@ -17,7 +17,6 @@ step `jmp_train.train.make_train_step` with a `jmp_train.zero1` plan.
 """
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -228,7 +227,7 @@ def main(argv=None):
   print(bytes_table(results), collectives_table(results), sep="\n\n")
   print("\n" + time_table(results))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    md.write_json(args.json, result)
   return result
 
 

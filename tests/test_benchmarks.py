@@ -29,6 +29,7 @@ import gpt_compare
 import gpt_model
 import lean_state
 import loss_head
+import md
 import memory_table
 import overhead
 import rounding_memory
@@ -519,11 +520,11 @@ def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
   assert "| bf16-mixed |" in out.split("traced ms/step")[-1]
 
 
-def test_gpt2_save_keeps_the_whole_file_it_had(monkeypatch, tmp_path):
-  # A run killed while writing (a time limit during --profile) leaves the
-  # last whole JSON, not a torn one.
+def test_write_json_keeps_the_whole_file_it_had(monkeypatch, tmp_path):
+  # A run killed while writing (a time limit during gpt2.py --profile)
+  # leaves the last whole JSON, not a torn one.
   out = tmp_path / "gpt2.json"
-  gpt2.save(str(out), {"rows": [1]})
+  md.write_json(str(out), {"rows": [1]})
   write = pathlib.Path.write_text
 
   def killed(self, text, *args, **kwargs):
@@ -532,7 +533,7 @@ def test_gpt2_save_keeps_the_whole_file_it_had(monkeypatch, tmp_path):
 
   monkeypatch.setattr(pathlib.Path, "write_text", killed)
   with pytest.raises(KeyboardInterrupt):
-    gpt2.save(out, {"rows": [1, 2]})
+    md.write_json(out, {"rows": [1, 2]})
   assert json.loads(out.read_text()) == {"rows": [1]}
 
 
