@@ -54,9 +54,6 @@ _HOW = re.compile(
 _TRANSFORMED = re.compile(r"\w+\((.*)\)")
 
 
-_CALLED = re.compile(r"((?:calls|to_apply)=)%?([\w.\-]+)")
-
-
 def _holds(comps: dict, comp: str, pattern: re.Pattern, seen=None) -> bool:
   """Whether computation `comp`, or one it calls, has a line `pattern`
   matches."""
@@ -67,7 +64,7 @@ def _holds(comps: dict, comp: str, pattern: re.Pattern, seen=None) -> bool:
   for line in comps.get(comp, []):
     if pattern.search(line):
       return True
-    for _, called in _CALLED.findall(line):
+    for called in overhead.called_computations(line):
       if _holds(comps, called, pattern, seen):
         return True
   return False
@@ -98,7 +95,7 @@ def hlo_class(op: str, line: str, comps: dict) -> str:
   if op.startswith("copy"):
     return "copy"
   if op == "fusion" or op in overhead.HOLDERS:
-    called = [name for _, name in _CALLED.findall(line)]
+    called = overhead.called_computations(line)
     for cls, pattern in _BODIES:
       if any(_holds(comps, c, pattern) for c in called):
         return cls
@@ -172,17 +169,19 @@ _DEFINES = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
 
 def _canonical(lines: list[str]) -> list[str]:
   """A computation's lines, metadata left out, each value named by its place
-  (`%v0`, `%v1`, ...) and the computations they call as `c` (their own
+  (`%v0`, `%v1`, ...) and the computations they call as `%c` (their own
   lines follow in `_body_key`)."""
   lines = [re.sub(r",\s*metadata=\{[^}]*\}", "", x) for x in lines]
   place = {}
   for x in lines:
     if m := _DEFINES.match(x):
       place[m[1]] = f"%v{len(place)}"
-  out = []
   for x in lines:
-    x = _CALLED.sub(r"\1c", x)
-    out.append(re.sub(r"%([\w.\-]+)", lambda m: place.get(m[1], m[0]), x))
+    for called in overhead.called_computations(x):
+      place.setdefault(called, "%c")
+  out = [
+    re.sub(r"%([\w.\-]+)", lambda m: place.get(m[1], m[0]), x) for x in lines
+  ]
   return [x.strip() for x in out]
 
 
@@ -192,10 +191,10 @@ def _body_key(line: str, comps: dict) -> tuple[str, str] | None:
   that two bodies match where they compute the same from the same operands.
   None for an instruction that is not a fusion, or whose computations are
   not all in `comps`."""
-  called = _CALLED.search(line)
+  called = overhead.called_computations(line)
   if " fusion(" not in line or not called:
     return None
-  text, todo, seen = [], [called[2]], set()
+  text, todo, seen = [], called, set()
   while todo:
     comp = todo.pop(0)
     if comp in seen:
@@ -203,7 +202,7 @@ def _body_key(line: str, comps: dict) -> tuple[str, str] | None:
     if comp not in comps:
       return None
     seen.add(comp)
-    todo += [name for x in comps[comp] for _, name in _CALLED.findall(x)]
+    todo += [c for x in comps[comp] for c in overhead.called_computations(x)]
     text += _canonical(comps[comp])
   return line.split("=", 1)[1].split(" fusion(")[0], "\n".join(text)
 

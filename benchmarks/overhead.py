@@ -570,10 +570,7 @@ def kernel_lines(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
       if op in _NO_KERNEL:
         continue
       if op in HOLDERS and _SMALL_CALL not in line:
-        called = []
-        for a, b in _CALLED.findall(line):
-          called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]
-        parts = [walk(c) for c in called]
+        parts = [walk(c) for c in called_computations(line)]
         if op == "conditional":
           parts = [max(parts, key=len)] if parts else []
         for part in parts:
@@ -584,6 +581,16 @@ def kernel_lines(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
     return found
 
   return walk("ENTRY"), comps
+
+
+def called_computations(line: str) -> list[str]:
+  """The computations an HLO instruction calls, by name: a fusion's, the
+  `to_apply` of a call or reduce, a loop's body and condition, a
+  conditional's branches."""
+  called = []
+  for a, b in _CALLED.findall(line):
+    called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]
+  return called
 
 
 def instructions(comps: dict) -> dict[str, tuple[str, str]]:

@@ -1342,6 +1342,52 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
   assert cpu["by_class_us"]["elementwise"] == 5 and cpu["found_in_hlo"] == 1
 
 
+LOOP_HLO = """HloModule jit_loop
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add.1 = f32[] add(%a, %b)
+}
+
+%body (p: f32[8,8]) -> f32[8,8] {
+  %p = f32[8,8]{1,0} parameter(0)
+  ROOT %dot.2 = f32[8,8]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%cond (p.1: f32[8,8]) -> pred[] {
+  %p.1 = f32[8,8]{1,0} parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+%sums (p.2: f32[8,8]) -> f32[8,8] {
+  %p.2 = f32[8,8]{1,0} parameter(0)
+  %z = f32[] constant(0)
+  %r = f32[8]{0} reduce(%p.2, %z), dimensions={1}, to_apply=%add
+  ROOT %b.3 = f32[8,8]{1,0} broadcast(%r), dimensions={0}
+}
+
+%same (p.3: f32[8,8]) -> f32[8,8] {
+  ROOT %p.3 = f32[8,8]{1,0} parameter(0)
+}
+
+ENTRY %main (x: f32[8,8], i: s32[]) -> f32[8,8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %while.4 = f32[8,8]{1,0} while(%x), condition=%cond, body=%body
+  ROOT %conditional.5 = f32[8,8]{1,0} conditional(%i, %while.4, %while.4), branch_computations={%same, %sums}
+}
+"""
+
+
+def test_loops_and_conditionals_are_classed_by_what_they_run():
+  # A loop by its body and condition, a conditional by its branches: the
+  # computations overhead.kernel_lines walks for their kernels.
+  _, _, holders = device_time.hlo_index(LOOP_HLO)
+  assert holders["while.4"][0] == "matmul"
+  assert holders["conditional.5"][0] == "reduction"
+
+
 def test_merged_label_keeps_what_the_fusions_share():
   merged = device_time.merged_label
   assert merged(["fwd a/b", "fwd a/b"]) == "fwd a/b"
