@@ -1464,17 +1464,14 @@ def test_device_time_reads_a_torch_gpu_trace_by_kernel_names():
 
 
 def test_self_times_take_each_span_less_what_it_holds():
-  def span(name, ts, dur, tid=1):
-    return dict(ph="X", name=name, ts=ts, dur=dur, pid=0, tid=tid)
-
   spans = [
-    span("linear", 0, 10),
-    span("t", 1, 2),
-    span("addmm", 3, 6),
-    span("gemm", 4, 4),  # inside addmm, inside linear
-    span("add", 12, 3),  # after them
-    span("same", 12, 3),  # the same interval: what add called
-    span("other thread", 2, 5, tid=2),
+    _span("linear", 0, 10, 1),
+    _span("t", 1, 2, 1),
+    _span("addmm", 3, 6, 1),
+    _span("gemm", 4, 4, 1),  # inside addmm, inside linear
+    _span("add", 12, 3, 1),  # after them
+    _span("same", 12, 3, 1),  # the same interval: what add called
+    _span("other thread", 2, 5, 2),
   ]
   own = {e["name"]: us for e, us in device_time.self_times(spans)}
   assert own == {
