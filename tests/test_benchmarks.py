@@ -1425,24 +1425,11 @@ def test_device_time_reads_a_torch_gpu_trace_by_kernel_names():
   events, ts = [], 0
   for _ in range(2):  # two steps
     for name, (us, _) in names.items():
-      events.append(
-        dict(ph="X", cat="kernel", name=name, ts=ts, dur=us, pid=0, tid=7)
-      )
+      events.append(dict(_span(name, ts, us, 7, pid=0), cat="kernel"))
       ts += us
-    events.append(
-      dict(
-        ph="X",
-        cat="gpu_memset",
-        name="Memset (Device)",
-        ts=ts,
-        dur=1,
-        pid=0,
-        tid=7,
-      )
-    )
-    events.append(
-      dict(ph="X", cat="cpu_op", name="aten::mm", ts=ts, dur=50, pid=9, tid=1)
-    )
+    memset = _span("Memset (Device)", ts, 1, 7, pid=0)
+    events.append(dict(memset, cat="gpu_memset"))
+    events.append(dict(_span("aten::mm", ts, 50, 1, pid=9), cat="cpu_op"))
     ts += 1
   s = device_time.torch_summary(events, 2, device=True)
   want = dict.fromkeys(device_time.CLASSES, 0)
