@@ -131,8 +131,9 @@ def parse_args(argv=None):
     "--profile",
     default=None,
     metavar="DIR",
-    help="after the timing, trace one round of each step into DIR/<step> and"
-    " say where its device time goes (benchmarks/device_time.py)",
+    help="after the timing, trace one round of each step into DIR/<step>,"
+    " its compiled HLO beside it, and say where its device time goes"
+    " (benchmarks/device_time.py)",
   )
   deviceless.add_target_argument(p, "with --kernels: ")
   p.add_argument("--json", default=None)
@@ -467,13 +468,15 @@ def profile_steps(args, steps: dict, state: dict, tokens) -> dict:
   and the trace read against the step's compiled HLO
   (`device_time.summary`). `state` holds each step's live state, and gets
   the state the round leaves. The HLO is the program that ran: lowering and
-  compiling again finds it in JAX's cache."""
+  compiling again finds it in JAX's cache. It is saved beside the trace, as
+  `step.hlo.txt.gz`."""
   on_device = jax.devices()[0].platform != "cpu"
   n = args.steps_per_round
 
   def trace(name, where):
     step = steps[name][0]
     hlo = step.lower(state[name], tokens).compile().as_text()
+    md.write_hlo(where / "step.hlo.txt.gz", hlo)
     s = state[name]
     with jax.profiler.trace(str(where), create_perfetto_trace=True):
       start = time.perf_counter()

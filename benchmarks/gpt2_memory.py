@@ -53,6 +53,14 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--tiny", action="store_true", help="a small model (CPU)")
   deviceless.add_target_argument(p)
+  p.add_argument(
+    "--hlo",
+    default=None,
+    metavar="PATH",
+    help="also save the compiled step's HLO text, gzipped, at PATH (from a"
+    " GPU: the program after autotuning, whose temporaries may differ from a"
+    " --target compile's)",
+  )
   p.add_argument("--json", default=None)
   return p.parse_args(argv)
 
@@ -112,6 +120,8 @@ def main(argv=None):
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       "loss": float(metrics["loss"]),
     }
+  if args.hlo:  # compiled above: JAX's cache gives the program back
+    md.write_hlo(args.hlo, step.lower(state, tokens).compile().as_text())
   print(table({args.preset: result}))
   if args.json:
     md.write_json(args.json, result)

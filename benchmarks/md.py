@@ -1,6 +1,7 @@
 """What the benchmark scripts share to write their results: the JSON file
 (`write_json`) and the markdown helpers of their tables (`md.table`)."""
 
+import gzip
 import json
 import pathlib
 
@@ -13,6 +14,15 @@ def write_json(path, result: dict) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(json.dumps(result, indent=1))
   tmp.replace(path)
+
+
+def write_hlo(path, hlo: str) -> None:
+  """A compiled program's HLO text, gzipped, at `path` (its folder made if
+  missing): what a GPU compiled after autotuning (which GEMMs went to cuBLAS,
+  their workspaces, the fusions), for a session without the chip to read."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_bytes(gzip.compress(hlo.encode()))
 
 
 def table(header: list[str], rows: list[list]) -> str:

@@ -128,9 +128,17 @@ GPU_JOBS = {
   # cuDNN's LayerNorm kernels in place of XLA's fusions (item 2's passes).
   "gpt2-cudnn-ln": "gpt2.py --no-plain --autocast '' --presets bf16-mixed"
   " --xla-flags=--xla_gpu_enable_cudnn_layer_norm=true",
-  # cuBLAS for every matmul (XLA's Triton GEMMs off).
+  # cuBLAS for every matmul (XLA's Triton GEMMs off), traced. On the H200
+  # of 2026-11-27 autotuning left one Triton GEMM in the step, the qkv
+  # weight gradient's, split in two along K; in bf16-mixed's step the sum of
+  # its halves fused with the finite check's row sums into a kernel that
+  # writes the float32 gradient transposed, 66 us in each of the 12 layers.
+  # With cuBLAS there (compiled for an H100 here) the check reads the GEMM's
+  # output as it is. The traces' device time, steadier than the wall time
+  # from one run to the next, says what that is worth.
   "gpt2-cublas": "gpt2.py --no-plain --autocast '' --presets bf16-mixed"
-  " --xla-flags=--xla_gpu_enable_triton_gemm=false",
+  " --xla-flags=--xla_gpu_enable_triton_gemm=false"
+  " --profile benchmarks/results/traces/gpt2-cublas",
   # The fused loss with both flags: the candidate fastest run, ready for a
   # session that has no time to combine what the runs above find.
   "gpt2-fused-flags": "gpt2.py --loss fused --no-plain --autocast ''"
@@ -139,10 +147,18 @@ GPU_JOBS = {
   " --xla_gpu_enable_triton_gemm=false'",
   "gpt2-torch": "gpt2.py --torch --profile benchmarks/results/traces/gpt2-torch",
   "loss-head-gpu": "loss_head.py",
-  "fp8-matmul": "fp8.py --matmul --sizes 4096,8192,16384 --rounds 10",
-  # One process per preset: the device's peak is that preset's alone.
+  # One size: on the H200 of 2026-11-27 two recipes took 33 s each to warm
+  # up at n = 4096 (the chip's autotuning, it seems: they compile in 3 s for
+  # an H100 here), and three sizes ran past the 150 s a job gets. 8192 is
+  # where the H100 of 2026-11-22 measured FP8 at 1.25x of bf16.
+  "fp8-matmul": "fp8.py --matmul --sizes 8192 --rounds 10",
+  # One process per preset: the device's peak is that preset's alone. The
+  # chip's compiled step is kept beside the traces: on 2026-11-27 the H200's
+  # bf16-mixed step held 1.5 GiB more temporaries than the same step
+  # compiled for an H100 here, and only its HLO can say where.
   **{
     f"gpt2-memory-{name}": f"gpt2_memory.py --preset {name}"
+    f" --hlo benchmarks/results/traces/gpt2-memory/{name}.hlo.txt.gz"
     for name in MEMORY_PRESETS
   },
   "overhead-gpu": "overhead.py --batch 16384 --steps 100",
