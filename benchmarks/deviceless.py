@@ -54,16 +54,18 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 }
 
 
-# The one choice of the chip's autotuning that decides what a compile here
-# allocates. On a GPU, XLA times its own Triton GEMM fusions against cuBLAS
-# for each matmul and keeps the faster; here there is nothing to time, and
-# it keeps Triton's. On the H200 of 2026-11-27 (jax 0.11.2) autotuning gave
-# all but one of GPT-2 small's matmuls to cuBLAS. Compiled here with cuBLAS
-# for every matmul, bf16-mixed's step allocates 8,442,357,328 bytes of
+# The choice of the chip's autotuning that decides most of what a compile
+# here allocates. On a GPU, XLA times its own Triton GEMM fusions against
+# cuBLAS for each matmul and keeps the faster; here there is nothing to time,
+# and it keeps Triton's. On the H200 of 2026-11-27 (jax 0.11.2) autotuning
+# gave all but one of GPT-2 small's bf16-mixed matmuls to cuBLAS (in
+# fp16-mixed's step it kept more of XLA's). Compiled here with cuBLAS for
+# every matmul, bf16-mixed's step allocates 8,442,357,328 bytes of
 # temporaries against the chip's 8,442,363,472 (6 KB apart); with Triton's
 # GEMMs, 1.5 GiB less. So a compile for a target uses cuBLAS's, unless
-# XLA_FLAGS already chooses.
-CHIP_GEMMS = "--xla_gpu_enable_triton_gemm=false"
+# XLA_FLAGS already sets the flag. Checked against a chip for that one step.
+GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
+CHIP_GEMMS = f"{GEMM_FLAG}=false"
 
 
 def add_target_argument(parser, condition: str = "") -> None:
@@ -88,12 +90,19 @@ def machine(target: str | None) -> str:
   """What a compile-only run describes: `target`'s GPU, compiled here and
   not run, or (None) this machine's first device; with the architecture."""
   if target:
-    flags = os.environ.get("XLA_FLAGS", "").strip()
-    how = f"; XLA_FLAGS {flags}" if flags else ""
+    gpu = [f for f in os.environ.get("XLA_FLAGS", "").split() if _gpu_flag(f)]
+    how = f"; XLA_FLAGS {' '.join(gpu)}" if gpu else ""
     where = f"{name(target)} (compiled here{how}, not run)"
   else:
     where = jax.devices()[0].device_kind
   return f"{where}, {platform.machine()}"
+
+
+def _gpu_flag(flag: str) -> bool:
+  """Whether `flag` (one word of XLA_FLAGS) sets an XLA:GPU option: those
+  change what a compile for a target gives; the others (dumps, paths) are
+  not recorded."""
+  return flag.startswith("--xla_gpu_")
 
 
 def provenance(target: str | None) -> dict:
@@ -120,16 +129,18 @@ def start(target: str | None):
   """What a script with `--target` calls first, before JAX starts a backend
   (and after any change to XLA_FLAGS): for a target, JAX is told to look for
   no GPU (the one compiled for is not here), XLA_FLAGS gets `CHIP_GEMMS`
-  unless it names that flag already, and `topology(target)` is returned, so
+  unless it sets that flag already, and `topology(target)` is returned, so
   a missing plugin is refused before any work (XLA_FLAGS then as it was);
-  None for none.
+  None for none. XLA reads XLA_FLAGS once per process: called after a
+  compile, the flag would be recorded (`machine`) but not used, hence first.
   """
   if target is None:
     return None
   jax.config.update("jax_platforms", "cpu")
   flags = os.environ.get("XLA_FLAGS")
-  if "xla_gpu_enable_triton_gemm" not in (flags or ""):
-    os.environ["XLA_FLAGS"] = f"{flags or ''} {CHIP_GEMMS}".strip()
+  words = (flags or "").split()
+  if not any(w.split("=")[0] == GEMM_FLAG for w in words):
+    os.environ["XLA_FLAGS"] = " ".join([*words, CHIP_GEMMS])
   try:
     return topology(target)
   except Exception:

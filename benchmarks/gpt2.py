@@ -131,9 +131,9 @@ def parse_args(argv=None):
     "--profile",
     default=None,
     metavar="DIR",
-    help="after the timing, trace one round of each step into DIR/<step>,"
-    " its compiled HLO beside it, and say where its device time goes"
-    " (benchmarks/device_time.py)",
+    help="after the timing, trace one round of each step into DIR/<step>"
+    " (a JAX step's compiled HLO beside it) and say where its device time"
+    " goes (benchmarks/device_time.py)",
   )
   deviceless.add_target_argument(p, "with --kernels: ")
   p.add_argument("--json", default=None)

@@ -22,7 +22,9 @@ def write_hlo(path, hlo: str) -> None:
   their workspaces, the fusions), for a session without the chip to read."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_bytes(gzip.compress(hlo.encode()))
+  tmp = path.with_name(path.name + ".tmp")  # whole or not at all, as above
+  tmp.write_bytes(gzip.compress(hlo.encode()))
+  tmp.replace(path)
 
 
 def table(header: list[str], rows: list[list]) -> str:

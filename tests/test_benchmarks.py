@@ -903,8 +903,9 @@ def test_deviceless_compiles_with_the_chips_gemms(
   monkeypatch, platforms_restored
 ):
   # A compile for a target takes cuBLAS's GEMMs, as the H200's autotuning
-  # chose, unless XLA_FLAGS already chooses; the record says which. (The
-  # topology is stood in for: JAX's CUDA plugin is not a dependency.)
+  # chose, unless XLA_FLAGS already sets the flag; the record names the
+  # XLA:GPU flags, not the others. (The topology is stood in for: JAX's
+  # CUDA plugin is not a dependency.)
   import deviceless
 
   monkeypatch.setattr(deviceless, "topology", lambda target: f"topo {target}")
@@ -915,16 +916,34 @@ def test_deviceless_compiles_with_the_chips_gemms(
     "NVIDIA H100 80GB HBM3 (compiled here; XLA_FLAGS"
     " --xla_gpu_enable_triton_gemm=false, not run)"
   )
-  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=d")
+  # Another flag, even one whose value holds the flag's name, is kept and
+  # not taken for a choice; a dump path is not recorded.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/d/xla_gpu_enable_triton_gemm")
   deviceless.start("h100")
   assert os.environ["XLA_FLAGS"] == (
-    "--xla_dump_to=d --xla_gpu_enable_triton_gemm=false"
+    "--xla_dump_to=/d/xla_gpu_enable_triton_gemm"
+    " --xla_gpu_enable_triton_gemm=false"
   )
+  assert "xla_dump_to" not in deviceless.machine("h100")
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
   deviceless.start("h100")
   assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
   monkeypatch.delenv("XLA_FLAGS")
   assert "H100 80GB HBM3 (compiled here, not run)" in deviceless.machine("h100")
+
+  # Refused (no plugin): XLA_FLAGS as it was, set or not.
+  def refused(target):
+    raise RuntimeError("needs JAX's CUDA plugin")
+
+  monkeypatch.setattr(deviceless, "topology", refused)
+  for flags in ("--xla_dump_to=d", None):
+    if flags is None:
+      monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+      monkeypatch.setenv("XLA_FLAGS", flags)
+    with pytest.raises(RuntimeError, match="CUDA plugin"):
+      deviceless.start("h100")
+    assert os.environ.get("XLA_FLAGS") == flags
 
 
 def test_suite_skips_a_deviceless_job_without_the_plugin(
