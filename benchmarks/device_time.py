@@ -262,20 +262,38 @@ def _by_name(e: dict) -> tuple[str, str]:
   return "other", re.sub(r"[._]\d+$", "", e["name"])
 
 
-def _totals(timed: list, work: list[dict], steps: int, top: int) -> dict:
+# How many kernels, by name, a summary keeps (`kernels`): the traces are not
+# committed, and a kernel's name is what ties a time to the compiled HLO.
+TOP_KERNELS = 40
+
+
+def _totals(
+  timed: list, names: list[str], work: list[dict], steps: int, top: int
+) -> dict:
   """`summary`'s figures from each span's (own microseconds, class, label)
-  in `timed`: per step by class and by label (the `top` longest labels, the
-  rest summed as `other labels`), the spans' number and summed time, and
-  the union of `work`'s spans (the busy time)."""
+  in `timed` and its kernel's name in `names`: per step by class and by
+  label (the `top` longest labels, the rest summed as `other labels`), the
+  `TOP_KERNELS` longest kernels by name (launches and microseconds per step,
+  class and label), the spans' number and summed time, and the union of
+  `work`'s spans (the busy time)."""
   by_class = dict.fromkeys(CLASSES, 0.0)
   by_label: dict[str, float] = {}
-  for us, cls, where in timed:
+  by_name: dict[str, dict] = {}
+  for (us, cls, where), name in zip(timed, names, strict=True):
     by_class[cls] += us / steps
     by_label[where] = by_label.get(where, 0.0) + us / steps
+    k = by_name.setdefault(
+      name, {"name": name, "per_step": 0.0, "us": 0.0, "class": cls}
+    )
+    k["per_step"] += 1 / steps
+    k["us"] += us / steps
+    # A library's kernel may run for several instructions.
+    k["label"] = where if k.get("label", where) == where else "(several)"
   ranked = sorted(by_label.items(), key=lambda kv: -kv[1])
   labels = dict(ranked[:top])
   if len(ranked) > top:
     labels["other labels"] = sum(us for _, us in ranked[top:])
+  kernels = sorted(by_name.values(), key=lambda k: -k["us"])[:TOP_KERNELS]
   return {
     "steps": steps,
     "kernels_per_step": len(work) / steps,
@@ -283,6 +301,7 @@ def _totals(timed: list, work: list[dict], steps: int, top: int) -> dict:
     "busy_us_per_step": overhead.busy_us(work) / steps,
     "by_class_us": by_class,
     "by_label_us": labels,
+    "kernels": kernels,
   }
 
 
@@ -312,7 +331,8 @@ def summary(
     (e["dur"], *(f or _by_name(e))) for e, f in zip(work, found, strict=True)
   ]
   in_hlo = sum(f is not None for f in found) / len(work)
-  return {**_totals(timed, work, steps, top), "found_in_hlo": in_hlo}
+  names = [e["name"] for e in work]
+  return {**_totals(timed, names, work, steps, top), "found_in_hlo": in_hlo}
 
 
 # PyTorch's kernels by name, in order: Inductor's Triton kernels by their
@@ -398,4 +418,5 @@ def torch_summary(
     )
     for e, us in own
   ]
-  return {**_totals(timed, work, steps, top), "found_in_hlo": None}
+  names = [e["name"] for e, _ in own]
+  return {**_totals(timed, names, work, steps, top), "found_in_hlo": None}

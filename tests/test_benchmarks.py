@@ -1403,6 +1403,24 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
   }
   assert s["kernels_per_step"] == 13 and s["found_in_hlo"] == 8 / 13
   assert s["kernel_us_per_step"] == s["busy_us_per_step"] == 71
+  # Each kernel by name, longest first: two launches a step of the fusion
+  # that two bodies share; a library's kernel for two instructions is in
+  # several places.
+  kernels = {k["name"]: k for k in s["kernels"]}
+  assert len(kernels) == 12 and s["kernels"][0]["name"].startswith("sm90_xmma")
+  assert kernels["loop_multiply_fusion"] == {
+    "name": "loop_multiply_fusion",
+    "per_step": 2,
+    "us": 4,
+    "class": "elementwise",
+    "label": "fwd|step .../mul (2 places)",
+  }
+  assert kernels["gemm_fusion_dot_3"]["label"] == "fwd attn/qkv/dot_general"
+  assert sum(k["us"] for k in s["kernels"]) == 71
+  twice = meta + work + [_span("cudnn_norm_kernel", ts, 2, 7, pid=2, **graph)]
+  again = device_time.summary(twice, GPU_HLO, 2, device=True)
+  (norm,) = [k for k in again["kernels"] if k["name"] == "cudnn_norm_kernel"]
+  assert norm["label"] == "(several)" and norm["per_step"] == 1.5
   # The longest labels kept, the rest summed.
   short = device_time.summary(meta + work, GPU_HLO, 2, device=True, top=2)
   assert short["by_label_us"] == {
