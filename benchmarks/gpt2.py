@@ -535,6 +535,18 @@ def profile_table(results: dict) -> str:
     header = ["step", "traced ms/step", "device busy"]
     header += [*device_time.CLASSES, "idle", "TFLOP/s in matmul+attention"]
     header += ["kernels found in HLO"]
+    busy = {n: p["busy_us_per_step"] for n, p in r["profiles"].items()}
+    if "hand-bf16" in busy and len(busy) > 1:
+      # Steadier from run to run than the timed steps: the device's own time.
+      notes.append(
+        "Device busy time against the hand-written bf16 step's: "
+        + ", ".join(
+          f"{n} {md.ratio(us / busy['hand-bf16'])}"
+          for n, us in busy.items()
+          if n != "hand-bf16"
+        )
+        + "."
+      )
     out += [
       f"{r['model']}, batch {r['batch']}, loss {_run_label(r)}; {r['device']},"
       f" {r.get('framework') or 'jax ' + r['jax']}; ms per step, one round of"

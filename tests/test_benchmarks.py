@@ -537,6 +537,12 @@ def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
   assert any(k.startswith("bwd block*/") for k in labels)
   text = gpt2.profile_table({"gpt2": result})
   assert "| bf16-mixed |" in text and "TFLOP/s in matmul+attention" in text
+  busy = {n: p["busy_us_per_step"] for n, p in result["profiles"].items()}
+  assert (
+    "Device busy time against the hand-written bf16 step's: bf16-mixed"
+    f" {busy['bf16-mixed'] / busy['hand-bf16']:.3f}x, autocast bf16-mixed"
+    f" {busy['autocast bf16-mixed'] / busy['hand-bf16']:.3f}x."
+  ) in text
   assert "| bf16-mixed |" in out.split("traced ms/step")[-1]
 
 
