@@ -267,19 +267,16 @@ def _by_name(e: dict) -> tuple[str, str]:
 TOP_KERNELS = 40
 
 
-def _totals(
-  timed: list, names: list[str], work: list[dict], steps: int, top: int
-) -> dict:
-  """`summary`'s figures from each span's (own microseconds, class, label)
-  in `timed` and its kernel's name in `names`: per step by class and by
-  label (the `top` longest labels, the rest summed as `other labels`), the
+def _totals(timed: list, work: list[dict], steps: int, top: int) -> dict:
+  """`summary`'s figures from each span's (own microseconds, class, label,
+  kernel name) in `timed`: per step by class and by label (the `top` longest labels, the rest summed as `other labels`), the
   `TOP_KERNELS` longest kernels by name (launches and microseconds per step,
   class and label), the spans' number and summed time, and the union of
   `work`'s spans (the busy time)."""
   by_class = dict.fromkeys(CLASSES, 0.0)
   by_label: dict[str, float] = {}
   by_name: dict[str, dict] = {}
-  for (us, cls, where), name in zip(timed, names, strict=True):
+  for us, cls, where, name in timed:
     by_class[cls] += us / steps
     by_label[where] = by_label.get(where, 0.0) + us / steps
     k = by_name.setdefault(
@@ -297,7 +294,7 @@ def _totals(
   return {
     "steps": steps,
     "kernels_per_step": len(work) / steps,
-    "kernel_us_per_step": sum(us for us, _, _ in timed) / steps,
+    "kernel_us_per_step": sum(t[0] for t in timed) / steps,
     "busy_us_per_step": overhead.busy_us(work) / steps,
     "by_class_us": by_class,
     "by_label_us": labels,
@@ -328,11 +325,11 @@ def summary(
     holders = {}
   found = [_in_hlo(e, by_hlo, by_kernel, holders) for e in work]
   timed = [
-    (e["dur"], *(f or _by_name(e))) for e, f in zip(work, found, strict=True)
+    (e["dur"], *(f or _by_name(e)), e["name"])
+    for e, f in zip(work, found, strict=True)
   ]
   in_hlo = sum(f is not None for f in found) / len(work)
-  names = [e["name"] for e in work]
-  return {**_totals(timed, names, work, steps, top), "found_in_hlo": in_hlo}
+  return {**_totals(timed, work, steps, top), "found_in_hlo": in_hlo}
 
 
 # PyTorch's kernels by name, in order: Inductor's Triton kernels by their
@@ -415,8 +412,8 @@ def torch_summary(
       us,
       "copy" if e.get("cat") in _TORCH_DEVICE[1:] else torch_class(e["name"]),
       re.sub(r"(_\d+)+$", "", e["name"]),
+      e["name"],
     )
     for e, us in own
   ]
-  names = [e["name"] for e, _ in own]
-  return {**_totals(timed, names, work, steps, top), "found_in_hlo": None}
+  return {**_totals(timed, work, steps, top), "found_in_hlo": None}

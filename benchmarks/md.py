@@ -6,25 +6,30 @@ import json
 import pathlib
 
 
-def write_json(path, result: dict) -> None:
-  """`result` as JSON at `path` (a str or path), whole or not at all: written
-  beside it, then renamed over it, so a run killed while writing (a GPU
-  job's time limit) keeps the whole file it had."""
-  path = pathlib.Path(path)
+def _whole(path: pathlib.Path, write) -> None:
+  """`write(tmp)` to a file beside `path`, then that file renamed over it:
+  a run killed while writing (a GPU job's time limit) keeps the whole file
+  `path` had."""
   tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(result, indent=1))
+  write(tmp)
   tmp.replace(path)
+
+
+def write_json(path, result: dict) -> None:
+  """`result` as JSON at `path` (a str or path), whole or not at all."""
+  _whole(
+    pathlib.Path(path), lambda t: t.write_text(json.dumps(result, indent=1))
+  )
 
 
 def write_hlo(path, hlo: str) -> None:
   """A compiled program's HLO text, gzipped, at `path` (its folder made if
-  missing): what a GPU compiled after autotuning (which GEMMs went to cuBLAS,
-  their workspaces, the fusions), for a session without the chip to read."""
+  missing), whole or not at all: what a GPU compiled after autotuning (which
+  GEMMs went to cuBLAS, their workspaces, the fusions), for a session
+  without the chip to read."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + ".tmp")  # whole or not at all, as above
-  tmp.write_bytes(gzip.compress(hlo.encode()))
-  tmp.replace(path)
+  _whole(path, lambda t: t.write_bytes(gzip.compress(hlo.encode())))
 
 
 def table(header: list[str], rows: list[list]) -> str:
