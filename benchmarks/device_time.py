@@ -262,6 +262,17 @@ def _by_name(e: dict) -> tuple[str, str]:
   return "other", re.sub(r"[._]\d+$", "", e["name"])
 
 
+def span_us(work: list[dict]) -> float:
+  """From the first of the spans `work` to start to the last to end, in us:
+  the device's time for the steps of a round once the first is under way,
+  without the host's wait before it and after the last. Where the host
+  stays ahead of the device, as a training loop that reads its metrics
+  seldom runs, a step's share of it is the step's time; the gaps in it
+  (span less busy time) are the device's own idle time between kernels."""
+  ends = [overhead.interval(e) for e in work]
+  return (max(b for _, b in ends) - min(a for a, _ in ends)) / 1000
+
+
 # How many kernels, by name, a summary keeps (`kernels`): the traces are not
 # committed, and a kernel's name is what ties a time to the compiled HLO.
 TOP_KERNELS = 40
@@ -271,8 +282,9 @@ def _totals(timed: list, work: list[dict], steps: int, top: int) -> dict:
   """`summary`'s figures from each span's (own microseconds, class, label,
   kernel name) in `timed`: per step by class and by label (the `top` longest labels, the rest summed as `other labels`), the
   `TOP_KERNELS` longest kernels by name (launches and microseconds per step,
-  class and label), the spans' number and summed time, and the union of
-  `work`'s spans (the busy time)."""
+  class and label), the spans' number and summed time, the union of
+  `work`'s spans (the busy time) and the time from the first's start to the
+  last's end (`span_us`)."""
   by_class = dict.fromkeys(CLASSES, 0.0)
   by_label: dict[str, float] = {}
   by_name: dict[str, dict] = {}
@@ -296,6 +308,7 @@ def _totals(timed: list, work: list[dict], steps: int, top: int) -> dict:
     "kernels_per_step": len(work) / steps,
     "kernel_us_per_step": sum(t[0] for t in timed) / steps,
     "busy_us_per_step": overhead.busy_us(work) / steps,
+    "span_us_per_step": span_us(work) / steps,
     "by_class_us": by_class,
     "by_label_us": labels,
     "kernels": kernels,

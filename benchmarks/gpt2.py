@@ -186,6 +186,12 @@ def _run_label(r: dict) -> str:
   return label + (f"; {tag}" if tag else "")
 
 
+def _per_wait(r: dict) -> str:
+  """How many steps a run dispatched before each wait for the device."""
+  n = r.get("steps_per_round")
+  return "unsaved steps per wait" if n is None else f"{n} steps per wait"
+
+
 def _best(runs: list[dict], step: str):
   """The run and row of `step` with the most tokens/s."""
   found = [(r, x) for r in runs for x in r["rows"] if x["step"] == step]
@@ -206,6 +212,7 @@ def table(results: dict) -> str:
       x["step"],
       *([r["device"].split(",")[0]] if len(devices) > 1 else []),
       r["batch"],
+      r.get("steps_per_round", "n/a"),
       _run_label(r),
       f"{x['ms']:.1f}",
       f"{x['steps_per_s']:.2f}",
@@ -218,7 +225,7 @@ def table(results: dict) -> str:
     for x in r["rows"]
   ]
   header = ["step", *(["device"] if len(devices) > 1 else []), "batch"]
-  header += ["loss", "ms/step", "steps/s", "tokens/s"]
+  header += ["steps per wait", "loss", "ms/step", "steps/s", "tokens/s"]
   g = runs[0]
   peak = g["peak_bf16_tflops"]
   where = g["device"]
@@ -242,8 +249,8 @@ def table(results: dict) -> str:
   if mixed and mixed["mfu"] is not None:
     by_name = {x["step"]: x for x in g["rows"]}
     line = (
-      f"Goal (bf16-mixed >= 45% MFU): {100 * mixed['mfu']:.1f}%,"
-      f" {md.verdict(mixed['mfu'] >= 0.45)}."
+      f"Goal (bf16-mixed >= 45% MFU): {100 * mixed['mfu']:.1f}% at"
+      f" {_per_wait(g)}, {md.verdict(mixed['mfu'] >= 0.45)}."
     )
     if "hand-bf16" in by_name:
       line += (
@@ -263,24 +270,41 @@ def table(results: dict) -> str:
 
 
 def torch_table(results: dict) -> str:
-  """jmp_train's bf16-mixed and fp16-mixed tokens/s (its fastest run at the
-  batch of the `--torch` run) beside PyTorch's, and the verdict for each."""
+  """jmp_train's bf16-mixed and fp16-mixed tokens/s beside PyTorch's, and
+  the verdict for each: per `--torch` run, jmp_train's fastest run on the
+  same device, at the same batch and as many steps per wait (a round's
+  wait costs the two frameworks differently, so runs that wait at
+  different rates are not compared)."""
   theirs = [r for r in results.values() if "framework" in r]
   if not theirs:
     return md.not_measured("benchmarks/gpt2.py --torch (it needs a GPU)")
-  t = theirs[0]
-  same = [r for r in _ours(results) if r["device"] == t["device"]]
-  ours = [r for r in same if r["batch"] == t["batch"]]
+  theirs.sort(key=lambda t: (t["batch"], t.get("steps_per_round") or 0))
+  ours = _ours(results)
+  return "\n\n".join("\n".join(_torch_block(t, ours)) for t in theirs)
+
+
+def _torch_block(t: dict, ours: list[dict]) -> list[str]:
+  """`torch_table`'s lines for the PyTorch run `t`."""
   out = [
-    f"{t['model']}, batch {t['batch']}, on {t['device']}; PyTorch"
-    f" {t['framework'].removeprefix('torch ')}"
+    f"{t['model']}, batch {t['batch']}, {_per_wait(t)}, on {t['device']};"
+    f" PyTorch {t['framework'].removeprefix('torch ')}"
     + (", torch.compile" if t["torch_compile"] else ", eager")
     + "."
   ]
+  ours = [
+    r
+    for r in ours
+    if r["device"] == t["device"]
+    and r["batch"] == t["batch"]
+    and r.get("steps_per_round") == t.get("steps_per_round")
+  ]
   if not ours:
-    return "\n".join(
-      [*out, "", "No jmp_train run on this device at this batch to compare."]
-    )
+    return [
+      *out,
+      "",
+      "No jmp_train run on this device at this batch and as many steps per"
+      " wait to compare.",
+    ]
   counts = {r.get("n_params") for r in ours}
   if counts != {t["n_params"]}:
     known = ", ".join(f"{n:,}" if n else "unknown" for n in counts)
@@ -316,8 +340,7 @@ def torch_table(results: dict) -> str:
       )
   header = ["precision", "jmp_train run", "jmp_train tokens/s"]
   header += ["PyTorch tokens/s", "ratio", "goal >= 1.00x"]
-  out += ["", md.table(header, rows)]
-  return "\n".join(out)
+  return [*out, "", md.table(header, rows)]
 
 
 def kernels_main(args, cfg: dict, steps: dict, tokens, params, topo) -> dict:
@@ -499,10 +522,36 @@ def _print_profile(name: str, found: dict) -> None:
   )
 
 
+def _back_to_back(r: dict, p: dict) -> list[str]:
+  """A traced step's device time once the round is under way (its share of
+  the kernels' span, `device_time.span_us`) and the MFU at that time, or
+  n/a for a profile saved before the span was."""
+  span = p.get("span_us_per_step")
+  if span is None:
+    return ["n/a", "n/a"]
+  peak = r.get("peak_bf16_tflops")
+  mfu = r["flops_per_step"] / (span * 1e-6) / (peak * 1e12) if peak else None
+  return [f"{span / 1e3:.2f}", "n/a" if mfu is None else f"{100 * mfu:.1f}%"]
+
+
+def _idle(p: dict) -> list[str]:
+  """A traced step's idle time: the device's gaps between its kernels
+  (span less busy time) and the host's wait at the round's start and end
+  (traced time less span), or the two together where no span was saved."""
+  wall, busy = p["wall_us_per_step"], p["busy_us_per_step"]
+  span = p.get("span_us_per_step")
+  if span is None:
+    return [f"{(wall - busy) / 1e3:.2f} in all", "n/a"]
+  return [f"{(span - busy) / 1e3:.2f}", f"{(wall - span) / 1e3:.2f}"]
+
+
 def profile_table(results: dict) -> str:
-  """Per traced step: its device time by class of kernel, the time the
-  device sat idle, the model's FLOPs over the matmuls' and attention's time
-  alone, and the labels (places in the model) that took longest."""
+  """Per traced step: its time back to back (the device's, from the round's
+  first kernel to its last, per step) and the MFU at it, its device time by
+  class of kernel, the device's gaps between kernels and the wait at the
+  round's start and end, the model's FLOPs over the matmuls' and
+  attention's time alone, and the labels (places in the model) that took
+  longest."""
   runs = [r for r in results.values() if r.get("profiles")]
   runs.sort(key=lambda r: ("framework" in r, r["batch"]))  # ours first
   if not runs:
@@ -517,9 +566,10 @@ def profile_table(results: dict) -> str:
         [
           name,
           f"{p['wall_us_per_step'] / 1e3:.2f}",
+          *_back_to_back(r, p),
           f"{p['busy_us_per_step'] / 1e3:.2f}",
           *(f"{ms[c]:.2f}" for c in device_time.CLASSES),
-          f"{(p['wall_us_per_step'] - p['busy_us_per_step']) / 1e3:.2f}",
+          *_idle(p),
           f"{r['flops_per_step'] / dense / 1e9:.1f}" if dense else "n/a",
           "n/a"
           if p["found_in_hlo"] is None
@@ -532,8 +582,9 @@ def profile_table(results: dict) -> str:
         + ", ".join(f"`{k}` {v / 1e3:.2f} ms" for k, v in top)
         + "."
       )
-    header = ["step", "traced ms/step", "device busy"]
-    header += [*device_time.CLASSES, "idle", "TFLOP/s in matmul+attention"]
+    header = ["step", "traced ms/step", "back to back", "MFU back to back"]
+    header += ["device busy", *device_time.CLASSES, "gaps between kernels"]
+    header += ["wait at round start and end", "TFLOP/s in matmul+attention"]
     header += ["kernels found in HLO"]
     busy = {n: p["busy_us_per_step"] for n, p in r["profiles"].items()}
     if "hand-bf16" in busy and len(busy) > 1:

@@ -197,9 +197,13 @@ def test_verdicts_are_computed_from_the_numbers():
       "device": "H100",
       "peak_bf16_tflops": 989.4,
       "batch": 16,
+      "steps_per_round": 30,
       "rows": [row],
     }
-    assert verdict(gpt2.table({"gpt2": result}), "45% MFU") == want
+    text = gpt2.table({"gpt2": result})
+    assert verdict(text, "45% MFU") == want
+    assert f"MFU): {100 * mfu:.1f}% at 30 steps per wait, **" in text
+    assert "| bf16-mixed | 16 | 30 | logits |" in text
   # FP8: digits within 1 point of no FP8, the GPT's mean over seeds within
   # 0.02 of it (here seed 1's difference is 0.01).
   for acc, loss, want in (
@@ -530,13 +534,18 @@ def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
       p["kernel_us_per_step"]
     )
     assert p["by_class_us"]["matmul"] > 0
-    assert 0 < p["busy_us_per_step"] <= p["wall_us_per_step"]
+    assert 0 < p["busy_us_per_step"] <= p["span_us_per_step"]
+    assert p["span_us_per_step"] <= p["wall_us_per_step"]
   # Kernels placed in the model's forward and backward passes.
   labels = [k for p in result["profiles"].values() for k in p["by_label_us"]]
   assert any(k.startswith("fwd ") for k in labels)
   assert any(k.startswith("bwd block*/") for k in labels)
   text = gpt2.profile_table({"gpt2": result})
   assert "| bf16-mixed |" in text and "TFLOP/s in matmul+attention" in text
+  p = result["profiles"]["bf16-mixed"]
+  ms = [p[k] / 1e3 for k in ("wall_us_per_step", "span_us_per_step")]
+  # Back to back, then its MFU: none on a CPU, which has no peak.
+  assert f"| bf16-mixed | {ms[0]:.2f} | {ms[1]:.2f} | n/a |" in text
   busy = {n: p["busy_us_per_step"] for n, p in result["profiles"].items()}
   assert (
     "Device busy time against the hand-written bf16 step's: bf16-mixed"
@@ -712,6 +721,30 @@ def test_torch_side_by_side_verdicts_come_from_tokens_per_s():
   assert "No jmp_train run on this device" in gpt2.torch_table(
     {"a": ours, "b": h200}
   )
+
+  # Each PyTorch run beside jmp_train's runs that waited as often: a run of
+  # 30 steps per wait is not compared with one of 5, however fast.
+  def every(n, r):
+    return dict(r, steps_per_round=n)
+
+  steady = every(30, run(None, [("bf16-mixed", 1200), ("fp16-mixed", 1150)]))
+  theirs_steady = every(30, run("torch", [("torch bf16", 1100)]))
+  text = gpt2.torch_table(
+    {
+      "a": every(5, ours),
+      "b": steady,
+      "c": every(5, theirs),
+      "d": theirs_steady,
+    }
+  )
+  five, thirty = text.split("\n\n", 1)[0], text.split("5 steps per wait")[1]
+  assert "5 steps per wait" in five
+  assert "| bf16 | bf16-mixed, loss logits | 1,000 | 1,000 | 1.000x |" in text
+  block = thirty.split("30 steps per wait")[1]
+  assert "| bf16 | bf16-mixed, loss logits | 1,200 | 1,100 | 1.091x |" in block
+  assert "| fp16 | fp16-mixed, loss logits | not measured |" in block
+  alone = gpt2.torch_table({"a": every(5, ours), "d": theirs_steady})
+  assert "as many steps per wait to compare" in alone
 
 
 def test_loss_head_reads_xla_temporaries_of_both_losses():
@@ -1551,6 +1584,52 @@ def test_device_time_reads_a_torch_gpu_trace_by_kernel_names():
     device_time.torch_summary(events[-1:], 1, device=True)
 
 
+def test_span_runs_from_the_first_kernel_to_the_last():
+  # Three kernels, a 5 us gap between the first two and the last two
+  # overlapping: busy 10 + 15 us, span 30 us, for 2 steps.
+  events = [
+    dict(_span(name, ts, us, 7, pid=0), cat="kernel")
+    for name, ts, us in (("a", 0, 10), ("b", 15, 5), ("c", 18, 12))
+  ]
+  assert device_time.span_us(events) == 30
+  s = device_time.torch_summary(events, 2, device=True)
+  assert s["busy_us_per_step"] == 12.5 and s["span_us_per_step"] == 15
+
+
+def test_gpt2_profile_table_splits_idle_time_and_gives_mfu_back_to_back():
+  def profile(**us):
+    p = dict(by_class_us=dict.fromkeys(device_time.CLASSES, 0.0))
+    p["by_class_us"]["matmul"] = 20_000.0
+    return p | dict(by_label_us={}, found_in_hlo=None) | us
+
+  run = {
+    "model": "GPT",
+    "batch": 16,
+    "device": "H100",
+    "jax": "0.10.2",
+    "steps_per_round": 5,
+    "trace_dir": "t",
+    "peak_bf16_tflops": 1000.0,
+    "flops_per_step": 1.6e13,
+    "profiles": {
+      "now": profile(
+        wall_us_per_step=40_000,
+        span_us_per_step=32_000,
+        busy_us_per_step=30_000,
+      ),
+      "before": profile(wall_us_per_step=40_000, busy_us_per_step=30_000),
+    },
+  }
+  text = gpt2.profile_table({"r": run})
+  # 16 TFLOP in 32 ms: 500 TFLOP/s, half the peak; 2 ms of gaps between
+  # kernels, 8 ms of waiting at the round's ends; 800 TFLOP/s in matmuls.
+  assert "| now | 40.00 | 32.00 | 50.0% | 30.00 | 20.00 |" in text
+  assert "| 0.00 | 2.00 | 8.00 | 800.0 | n/a |" in text
+  # A profile saved before spans were: its idle time in one figure.
+  assert "| before | 40.00 | n/a | n/a | 30.00 |" in text
+  assert "| 10.00 in all | n/a | 800.0 |" in text
+
+
 def test_self_times_take_each_span_less_what_it_holds():
   spans = [
     _span("linear", 0, 10, 1),
@@ -1883,7 +1962,12 @@ def test_gpu_tables_name_each_rows_device_when_two_gpus_made_them():
       for step, k in (("hand-bf16", 1.0), ("bf16-mixed", 1.25))
     ]
     return dict(
-      model="GPT", device=device, peak_bf16_tflops=989.4, batch=batch, rows=rows
+      model="GPT",
+      device=device,
+      peak_bf16_tflops=989.4,
+      batch=batch,
+      steps_per_round=5,
+      rows=rows,
     )
 
   one = {"a": run("NVIDIA H200, x86_64", 16, 30.0)}
@@ -1900,8 +1984,8 @@ def test_gpu_tables_name_each_rows_device_when_two_gpus_made_them():
   # after a change): the tag tells their rows apart.
   later = run("NVIDIA H200, x86_64", 16, 29.0) | {"tag": "grouped check"}
   text = gpt2.table(one | {"c": later})
-  assert text.count("| bf16-mixed | 16 | logits |") == 1
-  assert text.count("| bf16-mixed | 16 | logits; grouped check |") == 1
+  assert text.count("| bf16-mixed | 16 | 5 | logits |") == 1
+  assert text.count("| bf16-mixed | 16 | 5 | logits; grouped check |") == 1
   assert gpt2.parse_args(["--tag", "grouped check"]).tag == "grouped check"
 
 
