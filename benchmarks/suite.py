@@ -146,8 +146,8 @@ GPU_JOBS = {
   " --xla-flags='--xla_gpu_enable_cudnn_layer_norm=true"
   " --xla_gpu_enable_triton_gemm=false'",
   "gpt2-torch": "gpt2.py --torch --profile benchmarks/results/traces/gpt2-torch",
-  # Both frameworks as a training loop runs that reads its metrics every 30
-  # steps. In the traces of 2026-11-27 (5 steps per wait) the device ran
+  # Both frameworks as a training loop that reads its metrics every 30
+  # steps runs them. In the traces of 2026-11-27 (5 steps per wait) the device ran
   # bf16-mixed's round back to back at 32.16 ms a step, and the round took
   # 7 ms more: 3.7 ms from the first call to its first kernel (the host's
   # work on the call, the hand-written step's alike, before the CUDA graph

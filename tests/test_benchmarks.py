@@ -204,6 +204,11 @@ def test_verdicts_are_computed_from_the_numbers():
     assert verdict(text, "45% MFU") == want
     assert f"MFU): {100 * mfu:.1f}% at 30 steps per wait, **" in text
     assert "| bf16-mixed | 16 | 30 | logits |" in text
+  # The verdict's run is the fastest, and it names that run's steps per wait.
+  slow = dict(result, steps_per_round=5, batch=8)  # listed first
+  slow["rows"] = [dict(row, tokens_per_s=0, mfu=0.3)]
+  text = gpt2.table({"a": slow, "b": result})
+  assert "MFU): 44.0% at 30 steps per wait, **not met**" in text
   # FP8: digits within 1 point of no FP8, the GPT's mean over seeds within
   # 0.02 of it (here seed 1's difference is 0.01).
   for acc, loss, want in (
@@ -729,20 +734,23 @@ def test_torch_side_by_side_verdicts_come_from_tokens_per_s():
 
   steady = every(30, run(None, [("bf16-mixed", 1200), ("fp16-mixed", 1150)]))
   theirs_steady = every(30, run("torch", [("torch bf16", 1100)]))
-  text = gpt2.torch_table(
+  text = gpt2.torch_table(  # the PyTorch runs in neither order
     {
+      "d": theirs_steady,
       "a": every(5, ours),
       "b": steady,
       "c": every(5, theirs),
-      "d": theirs_steady,
     }
   )
-  five, thirty = text.split("\n\n", 1)[0], text.split("5 steps per wait")[1]
-  assert "5 steps per wait" in five
-  assert "| bf16 | bf16-mixed, loss logits | 1,000 | 1,000 | 1.000x |" in text
-  block = thirty.split("30 steps per wait")[1]
-  assert "| bf16 | bf16-mixed, loss logits | 1,200 | 1,100 | 1.091x |" in block
-  assert "| fp16 | fp16-mixed, loss logits | not measured |" in block
+  # One block per PyTorch run, fewest steps per wait first; each block's
+  # first line names the model ("GPT, batch 16, ...").
+  five, thirty = text.split("GPT, batch 16, ")[1:]
+  assert five.startswith("5 steps per wait") and "fused" not in five
+  assert "| bf16 | bf16-mixed, loss logits | 1,000 | 1,000 | 1.000x |" in five
+  assert "| fp16 | fp16-mixed, loss logits | 990 | 1,000 | 0.990x |" in five
+  assert thirty.startswith("30 steps per wait")
+  assert "| bf16 | bf16-mixed, loss logits | 1,200 | 1,100 | 1.091x |" in thirty
+  assert "| fp16 | fp16-mixed, loss logits | not measured |" in thirty
   alone = gpt2.torch_table({"a": every(5, ours), "d": theirs_steady})
   assert "as many steps per wait to compare" in alone
 

@@ -294,7 +294,8 @@ def test_gpt2_benchmark_runs_with_the_fused_loss(monkeypatch):
   assert result["loss"] == "fused, chunks of 48 rows"
   assert [r["step"] for r in result["rows"]] == ["hand-bf16", "bf16-mixed"]
   label = f"fused, chunks of 48 rows; XLA_FLAGS {result['xla_flags']}"
-  assert f"| bf16-mixed | 2 | {label} |" in gpt2.table({"gpt2-fused": result})
+  row = f"| bf16-mixed | 2 | 1 | {label} |"  # batch, steps per wait, loss
+  assert row in gpt2.table({"gpt2-fused": result})
 
 
 def test_a_float32_wrap_traces_to_the_bare_models_program():
