@@ -239,6 +239,35 @@ def hlo_index(hlo_text: str) -> tuple[dict, dict, dict]:
   return by_hlo, by_kernel, holders
 
 
+def kernel_bytes(hlo_text: str) -> dict[str, int]:
+  """The bytes each kernel name of a compiled module moves per run of it:
+  its instruction's operands and result (`overhead.kernel_list`'s count, an
+  upper bound where a kernel reads a slice), summed over the fusions that
+  share its body, since a trace shows all their launches under the one
+  kernel's name (`hlo_index`)."""
+  kernels, comps = overhead.kernel_lines(hlo_text)
+  groups: dict = {}
+  for _, moved, line in kernels:
+    if m := _DEFINES.match(line):
+      group = groups.setdefault(_body_key(line, comps) or m[1], [0, []])
+      group[0] += moved
+      group[1].append(m[1])
+  return {
+    kernel_name(name): moved
+    for moved, names in groups.values()
+    for name in names
+  }
+
+
+def _add_speed(kernels: list[dict], moved: dict[str, int]) -> None:
+  """Gives each of `_totals`'s kernels by name that `moved` (`kernel_bytes`)
+  has its megabytes per step and the speed it moved them at (TB/s)."""
+  for k in kernels:
+    if k["name"] in moved and k["us"] > 0:
+      k["mbytes"] = moved[k["name"]] / 1e6
+      k["tb_per_s"] = moved[k["name"]] / k["us"] / 1e6
+
+
 def _in_hlo(e: dict, by_hlo: dict, by_kernel: dict, holders: dict):
   """A trace span's (class, label) from `hlo_index`'s maps: by the
   instruction it names (`hlo_op`), by its own name as a kernel's, by the
@@ -323,7 +352,9 @@ def summary(
   union of its spans), and its kernels' number and summed time, copies and
   fills among them (so the classes add up to it). `found_in_hlo` is the
   share of them found in the HLO by name (not a library's kernels, copies
-  or fills). `hlo_text` is the compiled module the trace ran; `device` as
+  or fills). Of its longest kernels by name (`kernels`), XLA's own have the
+  bytes they move per step and the speed they ran at (`kernel_bytes`).
+  `hlo_text` is the compiled module the trace ran; `device` as
   `overhead.device_work`'s.
 
   Raises:
@@ -342,7 +373,9 @@ def summary(
     for e, f in zip(work, found, strict=True)
   ]
   in_hlo = sum(f is not None for f in found) / len(work)
-  return {**_totals(timed, work, steps, top), "found_in_hlo": in_hlo}
+  totals = _totals(timed, work, steps, top)
+  _add_speed(totals["kernels"], kernel_bytes(hlo_text))
+  return {**totals, "found_in_hlo": in_hlo}
 
 
 # PyTorch's kernels by name, in order: Inductor's Triton kernels by their

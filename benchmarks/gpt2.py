@@ -534,6 +534,24 @@ def _back_to_back(r: dict, p: dict) -> list[str]:
   return [f"{span / 1e3:.2f}", "n/a" if mfu is None else f"{100 * mfu:.1f}%"]
 
 
+def _speeds(name: str, p: dict, top: int = 4) -> list[str]:
+  """A note of a traced step's `top` longest kernels of XLA's own, with the
+  bytes they move (operands and result: an upper bound where a kernel reads
+  a slice) and the speed they ran at, or none for a profile without them."""
+  xla = [k for k in p.get("kernels", []) if "tb_per_s" in k][:top]
+  if not xla:
+    return []
+  return [
+    f"{name}, XLA's longest kernels: "
+    + ", ".join(
+      f"`{k['name']}` (`{k['label']}`) {k['us'] / 1e3:.2f} ms,"
+      f" {k['mbytes']:,.0f} MB at {k['tb_per_s']:.2f} TB/s"
+      for k in xla
+    )
+    + "."
+  ]
+
+
 def _idle(p: dict) -> list[str]:
   """A traced step's idle time: the device's gaps between its kernels
   (span less busy time) and the host's wait at the round's start and end
@@ -582,6 +600,7 @@ def profile_table(results: dict) -> str:
         + ", ".join(f"`{k}` {v / 1e3:.2f} ms" for k, v in top)
         + "."
       )
+      notes += _speeds(name, p)
     header = ["step", "traced ms/step", "back to back", "MFU back to back"]
     header += ["device busy", *device_time.CLASSES, "gaps between kernels"]
     header += ["wait at round start and end", "TFLOP/s in matmul+attention"]

@@ -548,6 +548,10 @@ def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
   text = gpt2.profile_table({"gpt2": result})
   assert "| bf16-mixed |" in text and "TFLOP/s in matmul+attention" in text
   p = result["profiles"]["bf16-mixed"]
+  # XLA:CPU's thunks: the longest named so move bytes at a speed.
+  k = next(k for k in p["kernels"] if "tb_per_s" in k)
+  assert k["tb_per_s"] == pytest.approx(k["mbytes"] / k["us"])
+  assert f"bf16-mixed, XLA's longest kernels: `{k['name']}`" in text
   ms = [p[k] / 1e3 for k in ("wall_us_per_step", "span_us_per_step")]
   # Back to back, then its MFU: none on a CPU, which has no peak.
   assert f"| bf16-mixed | {ms[0]:.2f} | {ms[1]:.2f} | n/a |" in text
@@ -1455,13 +1459,22 @@ def test_device_time_reads_a_gpu_trace_against_its_hlo():
   # several places.
   kernels = {k["name"]: k for k in s["kernels"]}
   assert len(kernels) == 12 and s["kernels"][0]["name"].startswith("sm90_xmma")
+  # XLA's own kernels move their operands and result: f32[64,16] is 4,096
+  # bytes, f32[64] 256; a kernel two fusions share moves both's bytes.
   assert kernels["loop_multiply_fusion"] == {
     "name": "loop_multiply_fusion",
     "per_step": 2,
     "us": 4,
     "class": "elementwise",
     "label": "fwd|step .../mul (2 places)",
+    "mbytes": 4 * 4096 / 1e6,
+    "tb_per_s": 4 * 4096 / 4e-6 / 1e12,
   }
+  reduce = kernels["input_reduce_fusion_2"]
+  assert reduce["mbytes"] == (4096 + 256) / 1e6
+  assert reduce["tb_per_s"] == pytest.approx((4096 + 256) / 3e-6 / 1e12)
+  # A library's kernel moves what the HLO does not say.
+  assert "tb_per_s" not in kernels["nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN"]
   assert kernels["gemm_fusion_dot_3"]["label"] == "fwd attn/qkv/dot_general"
   assert sum(k["us"] for k in s["kernels"]) == 71
   twice = meta + work + [_span("cudnn_norm_kernel", ts, 2, 7, pid=2, **graph)]
