@@ -101,6 +101,20 @@ def parse_args(argv=None):
   )
   p.add_argument("--loss-chunk", type=int, default=4096)
   p.add_argument(
+    "--lse",
+    choices=("one-pass", "two-pass"),
+    default="one-pass",
+    help="with --loss logits: the log-sum-exp's passes over the logits"
+    " (gpt_model.cross_entropy's one_pass)",
+  )
+  p.add_argument(
+    "--gelu",
+    choices=gpt_model.GELUS,
+    default="tanh",
+    help="how the model computes its GELU (gpt_model.GPT's gelu): the same"
+    " function through tanh or through the logistic function",
+  )
+  p.add_argument(
     "--xla-flags",
     default="",
     help="added to XLA_FLAGS before JAX starts its backend (recorded in the"
@@ -153,6 +167,10 @@ def parse_args(argv=None):
         jmp_train.get_preset(name)
       except ValueError as e:
         p.error(f"--{flag}: {e}")
+  if args.lse == "two-pass" and args.loss == "fused":
+    p.error("--lse two-pass is the logits loss's: drop it or --loss fused")
+  if args.torch and (args.lse, args.gelu) != ("one-pass", "tanh"):
+    p.error("--lse and --gelu change the JAX model: drop them or --torch")
   if args.loss == "fused" and args.autocast:
     # Under autocast the fused loss's float32 matmuls trace as float32
     # operands and run in the compute dtype: not the fused loss's numerics.
@@ -180,9 +198,13 @@ def _ours(results: dict) -> list[dict]:
 
 
 def _run_label(r: dict) -> str:
-  """How a run computed its loss, the XLA flags it set, and its tag."""
+  """How a run computed its loss (and its GELU, where not through tanh),
+  the XLA flags it set, and its tag."""
   flags, tag = r.get("xla_flags"), r.get("tag")
-  label = r.get("loss", "logits") + (f"; XLA_FLAGS {flags}" if flags else "")
+  label = r.get("loss", "logits")
+  if r.get("gelu", "tanh") != "tanh":
+    label += f", GELU via {r['gelu']}"
+  label += f"; XLA_FLAGS {flags}" if flags else ""
   return label + (f"; {tag}" if tag else "")
 
 
@@ -364,6 +386,7 @@ def kernels_main(args, cfg: dict, steps: dict, tokens, params, topo) -> dict:
     "leaves": len(jax.tree.leaves(params)),
     "batch": args.batch,
     "loss": loss_label(args),
+    "gelu": args.gelu,
     "kernels": kernels,
     **deviceless.provenance(args.target),
   }
@@ -419,15 +442,19 @@ def model_flops(cfg: dict, batch: int, n_flops: int) -> int:
   return per_token * batch * seq
 
 
-def base_model(cfg: dict, target: str | None) -> gpt_model.GPT:
-  """The unwrapped model of `config`, tied, with fused attention. Compiled
-  for a GPU without one (`target`), the attention is the cuDNN kernel the
-  GPU runs, not the XLA one JAX's CPU backend would pick."""
+def base_model(
+  cfg: dict, target: str | None, gelu: str = "tanh"
+) -> gpt_model.GPT:
+  """The unwrapped model of `config`, tied, with fused attention and its
+  GELU computed as `gelu` says. Compiled for a GPU without one (`target`),
+  the attention is the cuDNN kernel the GPU runs, not the XLA one JAX's CPU
+  backend would pick."""
   return gpt_model.GPT(
     **cfg,
     tied=True,
     fused_attention=True,
     platform="gpu" if target else None,
+    gelu=gelu,
   )
 
 
@@ -633,7 +660,7 @@ def profile_table(results: dict) -> str:
 def loss_label(args) -> str:
   if args.loss == "fused":
     return f"fused, chunks of {args.loss_chunk} rows"
-  return "logits"
+  return "logits" if args.lse == "one-pass" else "logits, two-pass LSE"
 
 
 def model_line(cfg: dict, n_params: int) -> str:
@@ -729,7 +756,7 @@ def main(argv=None):
   cfg = config(args.tiny)
   if args.torch:
     return main_torch(args, cfg)
-  base = base_model(cfg, args.target)
+  base = base_model(cfg, args.target, args.gelu)
   seq = cfg["seq_len"]
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(
@@ -741,7 +768,8 @@ def main(argv=None):
     if args.loss == "fused":  # the loss off the tied embedding, chunked
       return apply(variables, batch[:, :-1], batch[:, 1:], args.loss_chunk)
     logits = apply(variables, batch[:, :-1])
-    return gpt_model.cross_entropy(logits, batch[:, 1:])
+    one_pass = args.lse == "one-pass"
+    return gpt_model.cross_entropy(logits, batch[:, 1:], one_pass=one_pass)
 
   init_variables = jax.jit(
     lambda m: m.init(jax.random.key(0), tokens[:1, :-1]), static_argnums=0
@@ -848,6 +876,7 @@ def main(argv=None):
     "peak_bf16_tflops": peak / 1e12 if peak else None,
     "rows": timed_rows(seconds, cfg, args.batch, n_flops, peak),
     "loss": loss_label(args),
+    "gelu": args.gelu,
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
     **({"tag": args.tag} if args.tag else {}),
     "ratios_vs": names[0],

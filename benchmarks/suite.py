@@ -156,6 +156,16 @@ GPU_JOBS = {
   "gpt2-steady": "gpt2.py --no-plain --autocast '' --presets"
   " bf16-mixed,fp16-mixed --steps-per-round 30 --rounds 5",
   "gpt2-torch-steady": "gpt2.py --torch --steps-per-round 30 --rounds 5",
+  # A scout: gpt2-steady's bf16-mixed with every change not yet timed on a
+  # chip at once, traced, so that its kernels say what each was worth:
+  # cuBLAS for every matmul (the finite check's 66 us kernels, above), the
+  # two-pass log-sum-exp (0.15 ms faster in loss-head-gpu, one run) and the
+  # GELU through the logistic function (fewer instructions compiled for an
+  # H100 in kernels that ran at 2.3 to 2.5 TB/s).
+  "gpt2-tuned": "gpt2.py --no-plain --autocast '' --presets bf16-mixed"
+  " --steps-per-round 30 --rounds 5 --lse two-pass --gelu logistic"
+  " --xla-flags=--xla_gpu_enable_triton_gemm=false"
+  " --profile benchmarks/results/traces/gpt2-tuned",
   "loss-head-gpu": "loss_head.py",
   # One size: on the H200 of 2026-11-27 two recipes took 33 s each to warm
   # up at n = 4096 (the chip's autotuning, it seems: they compile in 3 s for

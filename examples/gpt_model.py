@@ -34,6 +34,9 @@ CONFIGS = {
 
 # What `GPT(platform=...)` takes: JAX's backend names.
 PLATFORMS = ("cpu", "gpu", "tpu")
+# What `GPT(gelu=...)` takes: two ways to compute GPT-2's GELU, its tanh
+# approximation (`gelu_logistic`).
+GELUS = ("tanh", "logistic")
 
 
 def check_platform(platform: str | None, fused: bool) -> None:
@@ -48,6 +51,23 @@ def check_platform(platform: str | None, fused: bool) -> None:
       f"platform={platform!r} picks the fused attention's kernels: it needs"
       " fused_attention=True"
     )
+
+
+def check_gelu(gelu: str) -> None:
+  """Refuses a `gelu` that is not one of `GELUS`."""
+  if gelu not in GELUS:
+    raise ValueError(f"gelu must be one of {GELUS}, got {gelu!r}")
+
+
+def gelu_logistic(x):
+  """`nn.gelu(x)` (GELU's tanh approximation, GPT-2's) through the logistic
+  function: `0.5 * (1 + tanh(u)) == sigmoid(2 * u)`, so `x * sigmoid(2 *
+  sqrt(2 / pi) * (x + 0.044715 * x**3))`. The same function in fewer
+  instructions where XLA:GPU compiles it: an exponential and a reciprocal
+  (fast approximations, one instruction each) where the tanh is a rational
+  function with a division (BENCHMARKS.md, GPT-2 section, counts them)."""
+  two_u = 1.5957691216057308 * (x + 0.044715 * x * x * x)
+  return x * jax.nn.sigmoid(two_u)
 
 
 class CausalSelfAttention(nn.Module):
@@ -93,6 +113,11 @@ class Block(nn.Module):
   heads: int
   fused: bool = False
   platform: str | None = None
+  gelu: str = "tanh"  # one of GELUS
+
+  def __post_init__(self):
+    check_gelu(self.gelu)
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, x):
@@ -130,15 +155,17 @@ _SAVED_FP8 = jax.checkpoint_policies.save_only_these_names(*fp8.REMAT_NAMES)
 
 @functools.partial(nn.remat, policy=_saved_by_fc_gelu)
 def _fc_gelu(block: nn.Module, x):
-  """`gelu(Dense(4 d_model, name="fc")(x))` inside `block`, whose backward
-  pass recomputes the bias add and the GELU from the matmul's output.
+  """`gelu(Dense(4 d_model, name="fc")(x))` inside `block` (its GELU as
+  `block.gelu` says), whose backward pass recomputes the bias add and the
+  GELU from the matmul's output.
 
   Without the remat, XLA writes and reads back the GELU's tanh (or its
   input) per layer: GPT-2 small's step at batch 16, compiled for an H100,
   moved 2.4 GB more that way (`benchmarks/gpt2.py --kernels --target
   h100`). The params keep their names (`block{i}/fc/kernel`, `.../bias`).
   """
-  return nn.gelu(nn.Dense(4 * x.shape[-1], name="fc")(x))
+  gelu = gelu_logistic if block.gelu == "logistic" else nn.gelu
+  return gelu(nn.Dense(4 * x.shape[-1], name="fc")(x))
 
 
 class GPT(nn.Module):
@@ -154,9 +181,13 @@ class GPT(nn.Module):
   # With fused_attention, the platform compiled for (None: JAX's default
   # backend): "gpu" takes cuDNN's attention for bf16 and fp16.
   platform: str | None = None
+  # How the MLP computes its GELU (GELUS): "tanh" as `nn.gelu`, "logistic"
+  # the same function as `gelu_logistic` computes it.
+  gelu: str = "tanh"
 
   def __post_init__(self):
     check_platform(self.platform, self.fused_attention)
+    check_gelu(self.gelu)
     super().__post_init__()
 
   @nn.compact
@@ -176,7 +207,11 @@ class GPT(nn.Module):
     x = embed(tokens) + pos[: tokens.shape[1]]
     for i in range(self.layers):
       x = Block(
-        self.heads, self.fused_attention, self.platform, name=f"block{i}"
+        self.heads,
+        self.fused_attention,
+        self.platform,
+        self.gelu,
+        name=f"block{i}",
       )(x)
     x = nn.LayerNorm(name="ln_f")(x)
     if targets is not None:  # the dtypes embed.attend would give

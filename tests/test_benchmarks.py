@@ -90,6 +90,13 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (gpt2.parse_args, ["--torch-precisions", "bf16,f16"], "'f16'; accepted"),
     (gpt2.parse_args, ["--presets", "bf16-mixed,"], "names an empty preset"),
     (gpt2.parse_args, ["--kernels", "--profile", "d"], "drop --kernels"),
+    (gpt2.parse_args, ["--loss", "fused", "--lse", "two-pass"], "logits loss"),
+    (
+      gpt2.parse_args,
+      ["--torch", "--gelu", "logistic"],
+      "drop them or --torch",
+    ),
+    (gpt2.parse_args, ["--gelu", "erf"], "invalid choice: 'erf'"),
     (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "choice: 'bf16-lin'"),
     (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),
     (loss_head.parse_args, ["--chunks", "64,0"], "'64,0' is not a comma"),
@@ -585,6 +592,21 @@ def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
   def broken(*args, **kwargs):
     raise RuntimeError("no trace")
 
+  # The run's loss and GELU as --lse and --gelu say: each call traced is
+  # recorded.
+  calls = {"one_pass": set(), "logistic": 0}
+  cross_entropy, gelu = gpt_model.cross_entropy, gpt_model.gelu_logistic
+
+  def recorded_loss(logits, targets, *, one_pass=True):
+    calls["one_pass"].add(one_pass)
+    return cross_entropy(logits, targets, one_pass=one_pass)
+
+  def recorded_gelu(x):
+    calls["logistic"] += 1
+    return gelu(x)
+
+  monkeypatch.setattr(gpt_model, "cross_entropy", recorded_loss)
+  monkeypatch.setattr(gpt_model, "gelu_logistic", recorded_gelu)
   monkeypatch.setattr(device_time, "summary", broken)
   out = tmp_path / "gpt2.json"
   with pytest.raises(RuntimeError, match="no trace"):
@@ -593,11 +615,16 @@ def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
         *("--tiny", "--presets", "bf16-mixed", "--autocast", "", "--batch"),
         *("2", "--rounds", "1", "--steps-per-round", "1", "--warmup", "1"),
         *("--no-plain", "--json", str(out), "--profile", str(tmp_path)),
+        *("--lse", "two-pass", "--gelu", "logistic"),
       ]
     )
   saved = json.loads(out.read_text())
   assert [r["step"] for r in saved["rows"]] == ["hand-bf16", "bf16-mixed"]
   assert "profiles" not in saved
+  assert calls["one_pass"] == {False} and calls["logistic"] > 0
+  assert saved["loss"] == "logits, two-pass LSE" and saved["gelu"] == "logistic"
+  row = "| bf16-mixed | 2 | 1 | logits, two-pass LSE, GELU via logistic;"
+  assert row in gpt2.table({"gpt2": saved})  # then the run's XLA_FLAGS
 
 
 def test_rounding_memory_compiles_each_preset_and_draw_size():
