@@ -240,32 +240,30 @@ def hlo_index(hlo_text: str) -> tuple[dict, dict, dict]:
 
 
 def kernel_bytes(hlo_text: str) -> dict[str, int]:
-  """The bytes each kernel name of a compiled module moves per run of it:
-  its instruction's operands and result (`overhead.kernel_list`'s count, an
-  upper bound where a kernel reads a slice), summed over the fusions that
-  share its body, since a trace shows all their launches under the one
-  kernel's name (`hlo_index`)."""
-  kernels, comps = overhead.kernel_lines(hlo_text)
-  groups: dict = {}
-  for _, moved, line in kernels:
+  """The bytes each kernel of a compiled module moves per launch: its
+  instruction's operands and result (`overhead.kernel_list`'s count, an
+  upper bound where a kernel reads a slice), by the instruction's name (an
+  XLA:CPU trace's) and by its kernel's (`kernel_name`, a GPU trace's
+  inside a CUDA graph). Fusions that share a body, and so one kernel on a
+  GPU, move the same bytes per launch: what the launches of the one name
+  move is its bytes times their number."""
+  moved = {}
+  for _, size, line in overhead.kernel_lines(hlo_text)[0]:
     if m := _DEFINES.match(line):
-      group = groups.setdefault(_body_key(line, comps) or m[1], [0, []])
-      group[0] += moved
-      group[1].append(m[1])
-  return {
-    kernel_name(name): moved
-    for moved, names in groups.values()
-    for name in names
-  }
+      moved.setdefault(kernel_name(m[1]), size)
+      moved[m[1]] = size
+  return moved
 
 
 def _add_speed(kernels: list[dict], moved: dict[str, int]) -> None:
   """Gives each of `_totals`'s kernels by name that `moved` (`kernel_bytes`)
-  has its megabytes per step and the speed it moved them at (TB/s)."""
+  has the megabytes its launches move per step and the speed they moved
+  them at (TB/s)."""
   for k in kernels:
     if k["name"] in moved and k["us"] > 0:
-      k["mbytes"] = moved[k["name"]] / 1e6
-      k["tb_per_s"] = moved[k["name"]] / k["us"] / 1e6
+      per_step = moved[k["name"]] * k["per_step"]
+      k["mbytes"] = per_step / 1e6
+      k["tb_per_s"] = per_step / k["us"] / 1e6
 
 
 def _in_hlo(e: dict, by_hlo: dict, by_kernel: dict, holders: dict):

@@ -296,7 +296,10 @@ def torch_table(results: dict) -> str:
   the verdict for each: per `--torch` run, jmp_train's fastest run on the
   same device, at the same batch and as many steps per wait (a round's
   wait costs the two frameworks differently, so runs that wait at
-  different rates are not compared)."""
+  different rates are not compared). Any run with the whole logits counts,
+  whatever its log-sum-exp, GELU or XLA flags (the same work per step,
+  done other ways; its label says which); the fused loss, less work, is a
+  row of its own."""
   theirs = [r for r in results.values() if "framework" in r]
   if not theirs:
     return md.not_measured("benchmarks/gpt2.py --torch (it needs a GPU)")
@@ -419,7 +422,7 @@ def kernels_table(results: dict) -> str:
     header += ["MB moved", "vs hand-bf16", "conditionals", "compile s"]
     out += [
       f"{r['model']} ({r['leaves']} param leaves), batch {r['batch']}, loss"
-      f" {r['loss']}; {r['device']}, jax {r['jax']}"
+      f" {_run_label(r)}; {r['device']}, jax {r['jax']}"
       + (f" with {r['cuda_plugin']}" if r.get("cuda_plugin") else "")
       + ".",
       "",
@@ -562,17 +565,22 @@ def _back_to_back(r: dict, p: dict) -> list[str]:
 
 
 def _speeds(name: str, p: dict, top: int = 4) -> list[str]:
-  """A note of a traced step's `top` longest kernels of XLA's own, with the
-  bytes they move (operands and result: an upper bound where a kernel reads
-  a slice) and the speed they ran at, or none for a profile without them."""
-  xla = [k for k in p.get("kernels", []) if "tb_per_s" in k][:top]
+  """A note of a traced step's `top` longest kernels of XLA's own but its
+  matmuls (whose speed is their arithmetic's), with the bytes they move
+  (operands and result: an upper bound where a kernel reads a slice) and
+  the speed they ran at, or none for a profile without them."""
+  xla = [
+    k
+    for k in p.get("kernels", [])
+    if "tb_per_s" in k and k["class"] not in ("matmul", "attention")
+  ][:top]
   if not xla:
     return []
   return [
-    f"{name}, XLA's longest kernels: "
+    f"{name}, XLA's longest kernels but its matmuls: "
     + ", ".join(
-      f"`{k['name']}` (`{k['label']}`) {k['us'] / 1e3:.2f} ms,"
-      f" {k['mbytes']:,.0f} MB at {k['tb_per_s']:.2f} TB/s"
+      f"`{k['name']}` (`{k['label']}`) {k['us'] / 1e3:.3g} ms,"
+      f" {k['mbytes']:,.3g} MB at {k['tb_per_s']:.3g} TB/s"
       for k in xla
     )
     + "."

@@ -63,9 +63,9 @@ def gelu_logistic(x):
   """`nn.gelu(x)` (GELU's tanh approximation, GPT-2's) through the logistic
   function: `0.5 * (1 + tanh(u)) == sigmoid(2 * u)`, so `x * sigmoid(2 *
   sqrt(2 / pi) * (x + 0.044715 * x**3))`. The same function in fewer
-  instructions where XLA:GPU compiles it: an exponential and a reciprocal
-  (fast approximations, one instruction each) where the tanh is a rational
-  function with a division (BENCHMARKS.md, GPT-2 section, counts them)."""
+  instructions where XLA:GPU compiles it: an exponential and a reciprocal,
+  which it emits as approximate instructions, where its tanh is a rational
+  function with a division (BENCHMARKS.md's GPT-2 section counts them)."""
   two_u = 1.5957691216057308 * (x + 0.044715 * x * x * x)
   return x * jax.nn.sigmoid(two_u)
 

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import itertools
 import json
+import math
 import os
 import pathlib
 import re
@@ -555,10 +556,40 @@ def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
   text = gpt2.profile_table({"gpt2": result})
   assert "| bf16-mixed |" in text and "TFLOP/s in matmul+attention" in text
   p = result["profiles"]["bf16-mixed"]
-  # XLA:CPU's thunks: the longest named so move bytes at a speed.
-  k = next(k for k in p["kernels"] if "tb_per_s" in k)
-  assert k["tb_per_s"] == pytest.approx(k["mbytes"] / k["us"])
-  assert f"bf16-mixed, XLA's longest kernels: `{k['name']}`" in text
+  # XLA:CPU's thunks each name their instruction: the bytes it moves (its
+  # result's and its operands' shapes, read here from the HLO's lines) per
+  # launch.
+  where = tmp_path / "bf16-mixed"
+  hlo = gzip.decompress((where / "step.hlo.txt.gz").read_bytes()).decode()
+  defined = {}  # name -> (result's shape text, operand names)
+  for line in hlo.splitlines():
+    if m := re.match(
+      r"\s*(?:ROOT )?%([\w.\-]+) = (.*?)\s([a-z][\w\-]*)\((.*)", line
+    ):
+      args = m[4][: m[4].index(")")] if ")" in m[4] else ""
+      defined[m[1]] = (m[2], re.findall(r"%([\w.\-]+)", args))
+
+  def shape_bytes(text):
+    return sum(
+      math.prod(int(d) for d in dims.split(",") if d)
+      * {"f32": 4, "bf16": 2, "s32": 4, "pred": 1, "u32": 4, "f16": 2}[t]
+      for t, dims in re.findall(
+        r"\b(f32|bf16|s32|pred|u32|f16)\[([\d,]*)\]", text
+      )
+    )
+
+  speeds = [k for k in p["kernels"] if "tb_per_s" in k]
+  assert len(speeds) >= 30  # all but a few of the 40 longest are XLA's
+  for k in speeds:
+    shape, operands = defined[k["name"]]
+    size = shape_bytes(shape)
+    size += sum(shape_bytes(defined[o][0]) for o in dict.fromkeys(operands))
+    assert k["mbytes"] == pytest.approx(size * k["per_step"] / 1e6)
+    assert k["tb_per_s"] == pytest.approx(size * k["per_step"] / k["us"] / 1e6)
+  k = next(k for k in speeds if k["class"] not in ("matmul", "attention"))
+  assert (
+    f"bf16-mixed, XLA's longest kernels but its matmuls: `{k['name']}`" in text
+  )
   ms = [p[k] / 1e3 for k in ("wall_us_per_step", "span_us_per_step")]
   # Back to back, then its MFU: none on a CPU, which has no peak.
   assert f"| bf16-mixed | {ms[0]:.2f} | {ms[1]:.2f} | n/a |" in text
