@@ -147,12 +147,12 @@ GPU_JOBS = {
   " --xla_gpu_enable_triton_gemm=false'",
   "gpt2-torch": "gpt2.py --torch --profile benchmarks/results/traces/gpt2-torch",
   # Both frameworks as a training loop that reads its metrics every 30
-  # steps runs them. In the traces of 2026-11-27 (5 steps per wait) the device ran
-  # bf16-mixed's round back to back at 32.16 ms a step, and the round took
-  # 7 ms more: 3.7 ms from the first call to its first kernel (the host's
-  # work on the call, the hand-written step's alike, before the CUDA graph
-  # starts), and the wait after the last. PyTorch's twin lost 0.3 to 0.8 ms
-  # a step so.
+  # steps runs them. In the traces of 2026-11-27 (5 steps per wait) the
+  # device ran bf16-mixed's round back to back at 32.16 ms a step, and the
+  # round took 7 ms more: 3.7 ms from the first call to its first kernel
+  # (the host's work on the call, the hand-written step's alike, before the
+  # CUDA graph starts), and the wait after the last. PyTorch's twin lost
+  # 0.3 to 0.8 ms a step so.
   "gpt2-steady": "gpt2.py --no-plain --autocast '' --presets"
   " bf16-mixed,fp16-mixed --steps-per-round 30 --rounds 5",
   "gpt2-torch-steady": "gpt2.py --torch --steps-per-round 30 --rounds 5",
