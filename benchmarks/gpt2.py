@@ -55,6 +55,7 @@ sys.path.insert(
 import device_time
 import deviceless
 import gpt_model
+import gpu_clock
 import jax
 import jax.numpy as jnp
 import md
@@ -149,6 +150,15 @@ def parse_args(argv=None):
     " (a JAX step's compiled HLO beside it) and say where its device time"
     " goes (benchmarks/device_time.py)",
   )
+  p.add_argument(
+    "--clocks",
+    type=timing.count_arg,
+    default=None,
+    metavar="MS",
+    help="sample the GPU's SM clock, power and power-cap bits with"
+    " nvidia-smi every MS milliseconds while the steps are timed"
+    " (benchmarks/gpu_clock.py); each row gets its rounds' clock",
+  )
   deviceless.add_target_argument(p, "with --kernels: ")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
@@ -159,6 +169,8 @@ def parse_args(argv=None):
     p.error("--kernels counts the JAX steps' kernels: drop --torch")
   if args.profile and args.kernels:
     p.error("--profile traces the steps it times: drop --kernels")
+  if args.clocks and args.kernels:
+    p.error("--clocks samples the GPU while steps run: drop --kernels")
   if "" in args.presets.split(","):
     p.error(f"--presets: {args.presets!r} names an empty preset")
   for flag in ("presets", "autocast"):
@@ -226,6 +238,7 @@ def table(results: dict) -> str:
   runs = _ours(results)
   if not runs:
     return md.not_measured("benchmarks/gpt2.py (it needs a GPU)")
+  clocked = any(x.get("clock") for r in runs for x in r["rows"])
   # Runs from more than one GPU session may sit side by side: each row then
   # names its device.
   devices = {r["device"] for r in runs}
@@ -242,6 +255,7 @@ def table(results: dict) -> str:
       f"{x['tflops']:.1f}",
       f"{100 * x['mfu']:.1f}%" if x["mfu"] is not None else "n/a",
       md.ratio(x["ratio_vs_plain"]),
+      *(_clock_cells(r, x) if clocked else []),
     ]
     for r in runs
     for x in r["rows"]
@@ -265,7 +279,16 @@ def table(results: dict) -> str:
       else "no bf16 peak known for this device, so no MFU."
     ),
     "",
-    md.table([*header, "TFLOP/s", "MFU", "vs the run's first row"], rows),
+    md.table(
+      [
+        *header,
+        *("TFLOP/s", "MFU", "vs the run's first row"),
+        *(
+          ("SM MHz, mean (least-most)", "MFU at that clock") if clocked else ()
+        ),
+      ],
+      rows,
+    ),
   ]
   g, mixed = _best(runs, "bf16-mixed")
   if mixed and mixed["mfu"] is not None:
@@ -287,8 +310,36 @@ def table(results: dict) -> str:
         line += f"; autocast bf16-mixed {md.ratio(auto)} the bf16-mixed step"
       on = f"{g['device'].split(',')[0]}, " if len(devices) > 1 else ""
       line += f" ({on}batch {g['batch']}, loss {_run_label(g)})."
-    out += ["", line]
+    out += ["", line + _clock_sentence(g, mixed)]
   return "\n".join(out)
+
+
+def _clock_cells(r: dict, x: dict) -> list[str]:
+  """Row `x`'s SM clock over its timed rounds and its MFU at that clock
+  (`gpu_clock.mfu_at_clock`), where run `r` sampled them."""
+  c, peak_mhz = x.get("clock"), r.get("peak_clock_mhz")
+  if not c:
+    return ["n/a", "n/a"]
+  mhz = f"{c['sm_mhz_mean']:.0f} ({c['sm_mhz_min']}-{c['sm_mhz_max']})"
+  if x["mfu"] is None or not peak_mhz:
+    return [mhz, "n/a"]
+  return [mhz, f"{100 * gpu_clock.mfu_at_clock(x['mfu'], c, peak_mhz):.1f}%"]
+
+
+def _clock_sentence(r: dict, x: dict) -> str:
+  """What row `x`'s clock says of its MFU, where run `r` sampled it."""
+  c, peak_mhz = x.get("clock"), r.get("peak_clock_mhz")
+  if not c or not peak_mhz or x["mfu"] is None:
+    return ""
+  at = gpu_clock.mfu_at_clock(x["mfu"], c, peak_mhz)
+  watts = f", {c['watts_mean']:.0f} W" if c["watts_mean"] is not None else ""
+  return (
+    f" Over its timed rounds the SMs ran at {c['sm_mhz_mean']:.0f} MHz on"
+    f" average{watts}, held down for power in"
+    f" {100 * c['power_capped_share']:.0f}% of {c['samples']} samples; the"
+    f" data sheet's peak is quoted at {peak_mhz} MHz, so at the clock it ran"
+    f" the step reached {100 * at:.1f}% of the chip's peak."
+  )
 
 
 def torch_table(results: dict) -> str:
@@ -338,7 +389,7 @@ def _torch_block(t: dict, ours: list[dict]) -> list[str]:
       f" {t['n_params']:,} in PyTorch."
     )
   theirs_by_name = {x["step"]: x for x in t["rows"]}
-  rows = []
+  rows, clocks = [], []
   for precision, preset in (("bf16", "bf16-mixed"), ("fp16", "fp16-mixed")):
     b = theirs_by_name.get(f"torch {precision}")
     # The whole-logits loss is nanoGPT's work per step; the fused loss is
@@ -353,6 +404,11 @@ def _torch_block(t: dict, ours: list[dict]) -> list[str]:
         rows.append([precision, label, "not measured", "", "", ""])
         continue
       ratio = a["tokens_per_s"] / b["tokens_per_s"]
+      if a.get("clock") and b.get("clock"):
+        clocks.append(
+          f"{precision} ({label}): {a['clock']['sm_mhz_mean']:.0f} MHz"
+          f" against PyTorch's {b['clock']['sm_mhz_mean']:.0f}"
+        )
       rows.append(
         [
           precision,
@@ -365,7 +421,13 @@ def _torch_block(t: dict, ours: list[dict]) -> list[str]:
       )
   header = ["precision", "jmp_train run", "jmp_train tokens/s"]
   header += ["PyTorch tokens/s", "ratio", "goal >= 1.00x"]
-  return [*out, "", md.table(header, rows)]
+  out += ["", md.table(header, rows)]
+  if clocks:  # both sides sampled: did one run at a higher clock?
+    out += [
+      "",
+      "Mean SM clock over the timed rounds: " + "; ".join(clocks) + ".",
+    ]
+  return out
 
 
 def kernels_main(args, cfg: dict, steps: dict, tokens, params, topo) -> dict:
@@ -461,9 +523,12 @@ def base_model(
   )
 
 
-def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
+def timed_rows(
+  seconds: dict, cfg: dict, batch: int, n_flops: int, peak, clocks=None
+):
   """gpt2.py's row per step from its median seconds per step; `n_flops` the
-  params that count (without the position embedding)."""
+  params that count (without the position embedding); `clocks` each step's
+  SM clock over its rounds (`time_steps`), where sampled."""
   tokens_per_step = batch * cfg["seq_len"]
   flops = model_flops(cfg, batch, n_flops)
   first = next(iter(seconds.values()))
@@ -479,9 +544,48 @@ def timed_rows(seconds: dict, cfg: dict, batch: int, n_flops: int, peak):
         "tflops": round(achieved / 1e12, 2),
         "mfu": round(achieved / peak, 4) if peak else None,
         "ratio_vs_plain": round(sec / first, 4),
+        **({"clock": clocks[name]} if clocks else {}),
       }
     )
   return rows
+
+
+def time_steps(args, names, run_round):
+  """Median seconds per step of each of `names` (`timing.seconds_per_step`)
+  and, with `--clocks`, each one's SM clock over its timed rounds
+  (`gpu_clock.summary`; else None)."""
+  if not args.clocks:
+    seconds = timing.seconds_per_step(
+      names, run_round, args.rounds, args.steps_per_round
+    )
+    return seconds, None
+  windows = {name: [] for name in names}
+
+  def timed_round(name):
+    start = time.time()
+    run_round(name)
+    windows[name].append((start, time.time()))
+
+  with gpu_clock.Sampler(args.clocks) as sampler:
+    seconds = timing.seconds_per_step(
+      names, timed_round, args.rounds, args.steps_per_round
+    )
+  clocks = {
+    n: gpu_clock.summary(sampler.samples, w) for n, w in windows.items()
+  }
+  return seconds, clocks
+
+
+def _clock_fields(kind: str, args) -> dict:
+  """With `--clocks`, the sampling period and the clock of the data sheet's
+  peak for `kind` (`gpu_clock.PEAK_CLOCK_MHZ`), for the MFU at the clock a
+  step ran."""
+  if not args.clocks:
+    return {}
+  return {
+    "clock_ms": args.clocks,
+    "peak_clock_mhz": gpu_clock.peak_clock_mhz(kind),
+  }
 
 
 def saved_then_profiled(args, result: dict, profile, flops_per_step) -> dict:
@@ -699,9 +803,7 @@ def main_torch(args, cfg: dict) -> dict:
       steps[name]()
     out["sync"]()
 
-  seconds = timing.seconds_per_step(
-    steps, run_round, args.rounds, args.steps_per_round
-  )
+  seconds, clocks = time_steps(args, list(steps), run_round)
   peak = peak_flops(out["device_kind"])
   result = {
     "framework": f"torch {out['torch']}",
@@ -713,8 +815,11 @@ def main_torch(args, cfg: dict) -> dict:
     "steps_per_round": args.steps_per_round,
     "device": f"{out['device_kind']}, {platform.machine()}",
     "peak_bf16_tflops": peak / 1e12 if peak else None,
-    "rows": timed_rows(seconds, cfg, args.batch, out["n_params_no_pos"], peak),
+    "rows": timed_rows(
+      seconds, cfg, args.batch, out["n_params_no_pos"], peak, clocks
+    ),
     "warm_loss": warm_loss,
+    **_clock_fields(out["device_kind"], args),
   }
   for x in result["rows"]:
     print(f"{x['step']}: {x['ms']} ms/step, {x['tokens_per_s']:,} tokens/s")
@@ -756,6 +861,10 @@ def profile_torch(args, steps: dict, sync) -> dict:
 
 def main(argv=None):
   args = parse_args(argv)
+  # Here, not in parse_args: the tests check the GPU jobs' lines on machines
+  # without nvidia-smi.
+  if args.clocks and not gpu_clock.available():
+    raise SystemExit("--clocks reads nvidia-smi, which is not on PATH: drop it")
   if args.xla_flags:  # read when the backend starts, not at import
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags
@@ -869,9 +978,7 @@ def main(argv=None):
     state[name] = jax.block_until_ready(s)
 
   names = list(steps)
-  seconds = timing.seconds_per_step(
-    names, run_round, args.rounds, args.steps_per_round
-  )
+  seconds, clocks = time_steps(args, names, run_round)
   kind = jax.devices()[0].device_kind
   peak = peak_flops(kind)
   result = {
@@ -882,7 +989,8 @@ def main(argv=None):
     "steps_per_round": args.steps_per_round,
     "device": f"{kind}, {platform.machine()}",
     "peak_bf16_tflops": peak / 1e12 if peak else None,
-    "rows": timed_rows(seconds, cfg, args.batch, n_flops, peak),
+    "rows": timed_rows(seconds, cfg, args.batch, n_flops, peak, clocks),
+    **_clock_fields(kind, args),
     "loss": loss_label(args),
     "gelu": args.gelu,
     "xla_flags": os.environ.get("XLA_FLAGS", ""),

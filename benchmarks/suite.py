@@ -153,9 +153,21 @@ GPU_JOBS = {
   # (the host's work on the call, the hand-written step's alike, before the
   # CUDA graph starts), and the wait after the last. PyTorch's twin lost
   # 0.3 to 0.8 ms a step so.
+  # With nvidia-smi's SM clock sampled every 100 ms: on the H200 of the
+  # evening of 2026-11-27 these rounds held the chip at its 700 W limit at
+  # 1635 to 1815 MHz, where short rounds after an idle spell ran at 1980
+  # (benchmarks/gpu_clock.py).
   "gpt2-steady": "gpt2.py --no-plain --autocast '' --presets"
-  " bf16-mixed,fp16-mixed --steps-per-round 30 --rounds 5",
-  "gpt2-torch-steady": "gpt2.py --torch --steps-per-round 30 --rounds 5",
+  " bf16-mixed,fp16-mixed --steps-per-round 30 --rounds 5 --clocks 100",
+  "gpt2-torch-steady": "gpt2.py --torch --steps-per-round 30 --rounds 5"
+  " --clocks 100",
+  # gpt2-cublas at 30 steps per wait: run by hand on the evening of
+  # 2026-11-27 (its traces did not come back), where cuBLAS's step
+  # traced at 45.4% back to back in a round of 5.
+  "gpt2-cublas-steady": "gpt2.py --no-plain --autocast '' --presets"
+  " bf16-mixed,fp16-mixed --steps-per-round 30 --rounds 5"
+  " --xla-flags=--xla_gpu_enable_triton_gemm=false --clocks 100"
+  " --profile benchmarks/results/traces/gpt2-cublas-steady",
   # A scout: gpt2-steady's bf16-mixed with every change not yet timed on a
   # chip at once, traced, so that its kernels say what each was worth:
   # cuBLAS for every matmul (the finite check's 66 us kernels, above), the

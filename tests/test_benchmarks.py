@@ -29,6 +29,7 @@ import gpt2
 import gpt2_memory
 import gpt_compare
 import gpt_model
+import gpu_clock
 import lean_state
 import loss_head
 import md
@@ -507,18 +508,31 @@ def test_compile_time_steps_are_the_variants_it_builds():
   )
 
 
-def test_gpt2_benchmark_tiny_runs(capsys, tmp_path):
+def test_gpt2_benchmark_tiny_runs(capsys, tmp_path, monkeypatch):
+  # --clocks with nvidia-smi replaced by a program printing its lines
+  # (tests/test_gpu_clock.py tests the sampling itself).
+  monkeypatch.setattr(gpu_clock, "available", lambda: True)
+  line = "2026/11/27 15:00:07.512, 1635, 693.95, 0x4"
+  printer = (
+    f"import time\nwhile True: print({line!r}, flush=True); time.sleep(0.01)"
+  )
+  monkeypatch.setattr(
+    gpu_clock, "command", lambda ms: [sys.executable, "-c", printer]
+  )
   result = gpt2.main(
     [
       *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
       *("--steps-per-round", "2", "--warmup", "1", "--no-plain"),
-      *("--profile", str(tmp_path)),
+      *("--profile", str(tmp_path), "--clocks", "10"),
     ]
   )
   names = ["hand-bf16", "bf16-mixed", "autocast bf16-mixed"]
   assert [r["step"] for r in result["rows"]] == names
   for row in result["rows"]:
     assert row["tokens_per_s"] > 0 and row["mfu"] is None  # CPU: no peak
+    # Its samples' stamp lies outside today's rounds: sampled, none inside.
+    assert "clock" in row and row["clock"] is None
+  assert result["clock_ms"] == 10 and result["peak_clock_mhz"] is None
   out = capsys.readouterr().out
   assert "| bf16-mixed |" in out
   # --profile: each step's traced round read against its compiled HLO.
