@@ -863,8 +863,15 @@ def main(argv=None):
   args = parse_args(argv)
   # Here, not in parse_args: the tests check the GPU jobs' lines on machines
   # without nvidia-smi.
-  if args.clocks and not gpu_clock.available():
-    raise SystemExit("--clocks reads nvidia-smi, which is not on PATH: drop it")
+  if args.clocks:
+    if not gpu_clock.available():
+      raise SystemExit(
+        "--clocks reads nvidia-smi, which is not on PATH: drop it"
+      )
+    try:
+      gpu_clock.check()
+    except RuntimeError as e:
+      raise SystemExit(f"--clocks: {e}") from e
   if args.xla_flags:  # read when the backend starts, not at import
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags

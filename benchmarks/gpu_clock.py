@@ -7,20 +7,24 @@ sheet quotes that peak at one clock: an H100's or H200's 989.4 TFLOP/s is
 108 x 2048 x 1410 MHz (`PEAK_CLOCK_MHZ`). The chip runs at whatever clock
 its power and temperature allow. On the H200 lent on 2026-11-27 (700 W
 limit), GPT-2 small's timed rounds held the chip at that limit (nvidia-smi's
-"SW power cap" in 40 of 41 samples) at 1635 to 1815 MHz, while short rounds
-after an idle spell ran at 1980 MHz: the same step's MFU then moves with how
-long the chip has been busy, not only with its kernels.
+"SW power cap" in 40 of 41 samples) at 1635 to 1785 MHz once it drew 690 W,
+where warm-up and compiles ran at 1980 MHz: the same step's MFU then moves
+with the power the chip may draw, not only with its kernels.
 
 `Sampler` runs `nvidia-smi --query-gpu=... -lms PERIOD` beside the timing;
 `summary` reads the samples that fall inside a step's timed rounds: the mean,
-least and most SM clock, the mean power draw, and the share of samples in
-which the clock was held down for power (the SW power cap or the hardware
-power brake, nvidia-smi's `clocks_throttle_reasons.active` bits 0x4 and
-0x80).
+least and most SM clock, the mean power draw (nvidia-smi's `power.draw`, on
+Hopper an average over about a second, so it lags a round's start), and the
+share of samples in which the clock was held down for power (the SW power
+cap or the hardware power brake, nvidia-smi's `clocks_throttle_reasons.active`
+bits 0x4 and 0x80). nvidia-smi's GPU 0 is the machine's first by PCI order,
+not necessarily JAX's first device under `CUDA_VISIBLE_DEVICES`: the lent
+machines have one.
 """
 
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from datetime import datetime
@@ -33,18 +37,32 @@ PEAK_CLOCK_MHZ = {"H100": 1830, "H200": 1830, "A100": 1410}
 _STAMP = "%Y/%m/%d %H:%M:%S.%f"
 
 
-def command(period_ms: int) -> list[str]:
+def command(period_ms: int | None) -> list[str]:
   """nvidia-smi's command line: GPU 0's timestamp, SM clock (MHz), power
-  draw (W) and clock-event bits, one line every `period_ms`."""
-  return [
-    "nvidia-smi",
-    "-i",
-    "0",
-    f"--query-gpu={QUERY}",
-    "--format=csv,noheader,nounits",
-    "-lms",
-    str(period_ms),
-  ]
+  draw (W) and clock-event bits, one line every `period_ms` (once for
+  None)."""
+  cmd = ["nvidia-smi", "-i", "0", f"--query-gpu={QUERY}"]
+  cmd.append("--format=csv,noheader,nounits")
+  return cmd + (["-lms", str(period_ms)] if period_ms else [])
+
+
+def check() -> dict:
+  """One sample read now, before any work: a query nvidia-smi refuses (an
+  unknown field, no driver) raises here with what it printed, not after a
+  run's timing as rows without a clock."""
+  try:
+    run = subprocess.run(
+      command(None), capture_output=True, text=True, timeout=30
+    )
+  except (OSError, subprocess.TimeoutExpired) as e:
+    raise RuntimeError(f"nvidia-smi did not answer: {e}") from e
+  samples = [x for x in map(parse_line, run.stdout.splitlines()) if x]
+  if run.returncode or not samples:
+    said = (run.stdout + run.stderr).strip()[-500:]
+    raise RuntimeError(
+      f"nvidia-smi gave no sample (exit {run.returncode}): {said!r}"
+    )
+  return samples[0]
 
 
 def available() -> bool:
@@ -76,13 +94,24 @@ def parse_line(line: str) -> dict | None:
 
 class Sampler:
   """nvidia-smi sampling in the background while the `with` block runs;
-  `samples` holds what it read. `cmd` replaces nvidia-smi's command line
-  (any program printing lines in its format)."""
+  `samples` holds what it read, `other` the lines that were not samples.
+  Entering waits for the first sample (`first_within` seconds at most), so
+  that the program's start-up is not in the first timed round and a program
+  that prints no sample while it runs (an error, output held in a buffer)
+  fails before the timing. `cmd` replaces nvidia-smi's command line (any
+  program printing lines in its format)."""
 
-  def __init__(self, period_ms: int = 100, cmd: list[str] | None = None):
+  def __init__(
+    self,
+    period_ms: int = 100,
+    cmd: list[str] | None = None,
+    first_within: float = 30.0,
+  ):
     self.period_ms = period_ms
     self.cmd = cmd or command(period_ms)
+    self.first_within = first_within
     self.samples: list[dict] = []
+    self.other: list[str] = []
     self._proc = None
     self._reader = None
 
@@ -91,25 +120,58 @@ class Sampler:
       sample = parse_line(line)
       if sample is not None:
         self.samples.append(sample)
+      elif line.strip():
+        self.other.append(line.strip())
 
   def __enter__(self):
     self._proc = subprocess.Popen(
-      self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+      self.cmd,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
     )
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
+    deadline = time.monotonic() + self.first_within
+    while not self.samples:
+      stopped = self._proc.poll() is not None
+      if stopped or time.monotonic() > deadline:
+        self._stop()
+        what = (
+          f"stopped without a sample (exit {self._proc.returncode})"
+          if stopped
+          else f"gave no sample in {self.first_within:.0f} s"
+        )
+        raise RuntimeError(f"{self.cmd[0]} {what}: {self.other[-5:]!r}")
+      time.sleep(0.01)
     return self
 
-  def __exit__(self, *exc):
-    # One more period, so that the last timed round's samples are written.
-    time.sleep(2 * self.period_ms / 1e3)
+  def _stop(self):
+    """The program stopped (killed if it will not stop; left behind if it
+    hangs even then) and its output read to the end."""
     self._proc.terminate()
     try:
       self._proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
       self._proc.kill()
-      self._proc.wait()
+      try:
+        self._proc.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        pass  # hung inside the driver: left behind, not waited for forever
     self._reader.join(timeout=5)
+
+  def __exit__(self, *exc):
+    # Two more periods, so that the last timed round's samples are written.
+    time.sleep(2 * self.period_ms / 1e3)
+    if self._proc.poll() is not None:  # it died during the timing
+      print(
+        f"warning: {self.cmd[0]} stopped during the timing (exit"
+        f" {self._proc.returncode}): rounds after its last sample get no"
+        f" clock; {self.other[-5:]!r}",
+        file=sys.stderr,
+        flush=True,
+      )
+    self._stop()
     return False
 
 

@@ -153,14 +153,24 @@ GPU_JOBS = {
   # (the host's work on the call, the hand-written step's alike, before the
   # CUDA graph starts), and the wait after the last. PyTorch's twin lost
   # 0.3 to 0.8 ms a step so.
-  # With nvidia-smi's SM clock sampled every 100 ms: on the H200 of the
-  # evening of 2026-11-27 these rounds held the chip at its 700 W limit at
-  # 1635 to 1815 MHz, where short rounds after an idle spell ran at 1980
+  # With nvidia-smi's SM clock sampled every 100 ms: on the H200 at 15:00
+  # UTC on 2026-11-27 these rounds held the chip at its 700 W limit at 1635
+  # to 1785 MHz, where warm-up and compiles ran at 1980
   # (benchmarks/gpu_clock.py).
   "gpt2-steady": "gpt2.py --no-plain --autocast '' --presets"
   " bf16-mixed,fp16-mixed --steps-per-round 30 --rounds 5 --clocks 100",
   "gpt2-torch-steady": "gpt2.py --torch --steps-per-round 30 --rounds 5"
   " --clocks 100",
+  # bf16-mixed at 30 and at 5 steps per wait with the clock sampled: run on
+  # the H200 at 15:00 UTC on 2026-11-27 with nvidia-smi by hand, before
+  # --clocks; the clock moved with how often the rounds waited (1694 and
+  # 1753 MHz on average).
+  **{
+    f"gpt2-clocks-{n}": "gpt2.py --no-plain --autocast '' --presets"
+    f" bf16-mixed --steps-per-round {n} --rounds {150 // n} --clocks 100"
+    " --tag 'clock sampled'"
+    for n in (30, 5)
+  },
   # gpt2-cublas at 30 steps per wait: run by hand on the evening of
   # 2026-11-27 (its traces did not come back), where cuBLAS's step
   # traced at 45.4% back to back in a round of 5.

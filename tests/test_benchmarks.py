@@ -509,30 +509,40 @@ def test_compile_time_steps_are_the_variants_it_builds():
 
 
 def test_gpt2_benchmark_tiny_runs(capsys, tmp_path, monkeypatch):
-  # --clocks with nvidia-smi replaced by a program printing its lines
-  # (tests/test_gpu_clock.py tests the sampling itself).
+  # --clocks with nvidia-smi replaced by a program printing its lines, now's
+  # local time at 1635 MHz, every 2 ms (once, asked for one sample);
+  # tests/test_gpu_clock.py tests the sampling itself.
   monkeypatch.setattr(gpu_clock, "available", lambda: True)
-  line = "2026/11/27 15:00:07.512, 1635, 693.95, 0x4"
   printer = (
-    f"import time\nwhile True: print({line!r}, flush=True); time.sleep(0.01)"
+    "import sys, time\nfrom datetime import datetime\nwhile True:\n"
+    "  now = datetime.now().strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]\n"
+    "  print(f'{now}, 1635, 693.95, 0x4', flush=True)\n"
+    "  if len(sys.argv) < 2: break\n"
+    "  time.sleep(0.002)"
   )
   monkeypatch.setattr(
-    gpu_clock, "command", lambda ms: [sys.executable, "-c", printer]
+    gpu_clock,
+    "command",
+    lambda ms: [sys.executable, "-c", printer, *([str(ms)] if ms else [])],
   )
   result = gpt2.main(
     [
       *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--rounds", "1"),
       *("--steps-per-round", "2", "--warmup", "1", "--no-plain"),
-      *("--profile", str(tmp_path), "--clocks", "10"),
+      *("--profile", str(tmp_path), "--clocks", "2"),
     ]
   )
   names = ["hand-bf16", "bf16-mixed", "autocast bf16-mixed"]
   assert [r["step"] for r in result["rows"]] == names
   for row in result["rows"]:
     assert row["tokens_per_s"] > 0 and row["mfu"] is None  # CPU: no peak
-    # Its samples' stamp lies outside today's rounds: sampled, none inside.
-    assert "clock" in row and row["clock"] is None
-  assert result["clock_ms"] == 10 and result["peak_clock_mhz"] is None
+    # A round of the tiny model may end between two samples: then no clock.
+    clock = row["clock"]
+    assert clock is None or (
+      clock["sm_mhz_mean"],
+      clock["power_capped_share"],
+    ) == (1635, 1.0)
+  assert result["clock_ms"] == 2 and result["peak_clock_mhz"] is None
   out = capsys.readouterr().out
   assert "| bf16-mixed |" in out
   # --profile: each step's traced round read against its compiled HLO.

@@ -3,11 +3,11 @@ timed rounds and summed up, and the GPT-2 tables' clock columns. nvidia-smi
 itself is replaced by a small program that prints lines in its format."""
 
 import argparse
+import calendar
 import pathlib
 import sys
 import textwrap
 import time
-from datetime import datetime
 
 import pytest
 
@@ -19,11 +19,12 @@ import gpt2
 import gpu_clock
 
 
-def fake_smi(period_ms: int, start_mhz: int, bits: int) -> list[str]:
+def fake_smi(period_ms: int | None, start_mhz: int, bits: int) -> list[str]:
   """A program that prints nvidia-smi's lines (`gpu_clock.QUERY`, no header,
-  no units) every `period_ms`, now's local time, its SM clock one MHz more
-  each line from `start_mhz`, a power reading every other line ("[N/A]" in
-  between, as chips that do not report it print) and clock-event `bits`."""
+  no units) every `period_ms` (once, for None), now's local time, its SM
+  clock one MHz more each line from `start_mhz`, a power reading every other
+  line ("[N/A]" in between, as chips that do not report it print) and
+  clock-event `bits`."""
   script = textwrap.dedent(f"""
     import sys, time
     from datetime import datetime
@@ -33,17 +34,39 @@ def fake_smi(period_ms: int, start_mhz: int, bits: int) -> list[str]:
         now = datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
         watts = f"{{600 + i}}.50" if i % 2 == 0 else "[N/A]"
         print(f"{{now}}, {{{start_mhz} + i}}, {{watts}}, 0x{bits:016x}", flush=True)
+        if {period_ms is None}:
+            break
         i += 1
-        time.sleep({period_ms} / 1000)
+        time.sleep({period_ms!r} / 1000)
     """)
   return [sys.executable, "-c", script]
 
 
-def test_a_line_of_nvidia_smi_reads_as_a_sample():
-  # Lines as nvidia-smi printed them on the H200 of 2026-11-27.
+def failing_smi() -> list[str]:
+  """A program that fails as nvidia-smi does without its driver."""
+  script = "print('Failed to initialize NVML: Driver Not Loaded'); exit(9)"
+  return [sys.executable, "-c", script]
+
+
+@pytest.fixture
+def new_york(monkeypatch):
+  """Local time five hours behind UTC in November, so that reading a stamp
+  as UTC, not local time, shows."""
+  monkeypatch.setenv("TZ", "America/New_York")
+  time.tzset()
+  yield
+  monkeypatch.undo()
+  time.tzset()
+
+
+def test_a_line_of_nvidia_smi_reads_as_a_sample(new_york):
+  # Lines as nvidia-smi printed them on the H200 of 2026-11-27, its stamp in
+  # local time: 15:00 in New York (EST) is 20:00 UTC.
   got = gpu_clock.parse_line("2026/11/27 15:00:07.512, 1635, 693.95, 0x4\n")
-  want = datetime(2026, 11, 27, 15, 0, 7, 512000).timestamp()
-  assert got == {"t": want, "mhz": 1635, "watts": 693.95, "bits": 4}
+  want = calendar.timegm((2026, 11, 27, 20, 0, 7)) + 0.512
+  assert got == {"t": pytest.approx(want), "mhz": 1635, "watts": 693.95} | {
+    "bits": 4
+  }
   got = gpu_clock.parse_line(
     "2026/11/27 14:59:14.726, 345, [N/A], 0x0000000000000001"
   )
@@ -62,50 +85,79 @@ def test_summary_keeps_the_samples_inside_the_windows():
     at(1.5, 1650, None, 0x80),  # HW power brake, no reading
     at(2.5, 1980, 100.0, 0x0),  # between the windows
     at(3.0, 1800, 650.0, 0x1),  # idle: not a power bit
+    at(3.9, 1750, 610.0, 0x0),  # on the second window's end
     at(4.0, 1800, 650.0, 0x4),  # just after the second window
   ]
   got = gpu_clock.summary(samples, [(1.0, 2.0), (2.9, 3.9)])
-  # Written out: the samples at 1.0, 1.5 and 3.0.
+  # Written out: the samples at 1.0, 1.5, 3.0 and 3.9 (ends count).
   assert got == {
-    "samples": 3,
-    "sm_mhz_mean": round((1700 + 1650 + 1800) / 3, 1),
+    "samples": 4,
+    "sm_mhz_mean": round((1700 + 1650 + 1800 + 1750) / 4, 1),
     "sm_mhz_min": 1650,
     "sm_mhz_max": 1800,
-    "watts_mean": (690.0 + 650.0) / 2,
-    "power_capped_share": round(2 / 3, 3),
+    "watts_mean": round((690.0 + 650.0 + 610.0) / 3, 1),
+    "power_capped_share": 0.5,
   }
   assert gpu_clock.summary(samples, [(5.0, 6.0)]) is None
   assert gpu_clock.summary(samples, []) is None
 
 
-def test_the_sampler_reads_a_running_program_and_stops_it():
+def test_the_sampler_reads_a_running_program_and_stops_it(new_york):
+  before = time.time()
   with gpu_clock.Sampler(5, cmd=fake_smi(5, 1000, 0x4)) as sampler:
-    start = time.time()
+    # Entered once the first sample is in: the start-up is not timed.
+    assert sampler.samples
     time.sleep(0.3)
     end = time.time()
   assert sampler._proc.poll() is not None  # stopped
   got = sampler.samples
   assert len(got) >= 10  # 60 at most; fewer on a loaded machine
   # The warning line is not a sample; the rest in order, one MHz apart.
+  assert sampler.other == ["WARNING: a line that is not a sample"]
   assert [s["mhz"] for s in got] == list(range(1000, 1000 + len(got)))
   assert all(a["t"] <= b["t"] for a, b in zip(got, got[1:], strict=False))
-  # Stamped by the program's clock, which is time.time()'s.
-  assert start - 1 < got[0]["t"] and got[-1]["t"] < end + 1
+  # Stamped by the program's local clock, which is time.time()'s.
+  assert before - 1 < got[0]["t"] and got[-1]["t"] < end + 1
+  # The samples of the last period before the exit are read too.
+  assert got[-1]["t"] > end - 0.1
+
+
+def test_a_program_that_gives_no_sample_fails_before_the_timing(monkeypatch):
+  with pytest.raises(
+    RuntimeError, match="stopped without a sample .exit 9.*NVML"
+  ):
+    with gpu_clock.Sampler(5, cmd=failing_smi()):
+      pytest.fail("entered without a sample")
+  # One that prints nothing in time is stopped and refused alike.
+  silent = [sys.executable, "-c", "import time; time.sleep(60)"]
+  start = time.monotonic()
+  with pytest.raises(RuntimeError, match="gave no sample in 1 s"):
+    with gpu_clock.Sampler(5, cmd=silent, first_within=1.0):
+      pass
+  assert time.monotonic() - start < 15
+  # gpt2.py asks for one sample before any work.
+  monkeypatch.setattr(gpu_clock, "available", lambda: True)
+  monkeypatch.setattr(gpu_clock, "command", lambda ms: failing_smi())
+  with pytest.raises(SystemExit, match="--clocks: nvidia-smi gave no sample"):
+    gpt2.main(["--tiny", "--clocks", "100"])
+  monkeypatch.setattr(gpu_clock, "command", lambda ms: fake_smi(ms, 1500, 0))
+  assert gpu_clock.check()["mhz"] == 1500
 
 
 def test_each_step_gets_the_clock_of_its_own_rounds(monkeypatch):
   # time_steps wraps each round in a window; a round lasts 0.15 s and the
-  # fake prints every 5 ms, its clock rising one MHz a line: the rounds of
-  # the later step saw higher clocks than those of the earlier one.
+  # fake prints every 5 ms, its clock rising one MHz a line. Two rounds in
+  # rotated order, a b then b a: b's two rounds lie between a's, so a saw
+  # both lower and higher clocks than b did.
   monkeypatch.setattr(gpu_clock, "command", lambda ms: fake_smi(ms, 1000, 4))
-  args = argparse.Namespace(clocks=5, rounds=1, steps_per_round=1)
+  args = argparse.Namespace(clocks=5, rounds=2, steps_per_round=1)
   seconds, clocks = gpt2.time_steps(
     args, ["a", "b"], lambda name: time.sleep(0.15)
   )
   assert set(seconds) == {"a", "b"} and seconds["a"] >= 0.15
   a, b = clocks["a"], clocks["b"]
   assert a["samples"] >= 3 and b["samples"] >= 3
-  assert a["sm_mhz_max"] < b["sm_mhz_min"]
+  assert a["sm_mhz_min"] < b["sm_mhz_min"] <= b["sm_mhz_max"] < a["sm_mhz_max"]
   assert a["power_capped_share"] == 1.0
   # Without --clocks: the timing alone.
   args.clocks = None
@@ -113,7 +165,7 @@ def test_each_step_gets_the_clock_of_its_own_rounds(monkeypatch):
 
 
 def test_clocks_are_refused_where_they_cannot_be_read(monkeypatch, capsys):
-  # Without nvidia-smi: refused as the run starts, before any work.
+  # Without nvidia-smi on PATH: refused as the run starts, before any work.
   monkeypatch.setattr(gpu_clock, "available", lambda: False)
   with pytest.raises(SystemExit, match="--clocks reads nvidia-smi, which is"):
     gpt2.main(["--tiny", "--clocks", "100"])
