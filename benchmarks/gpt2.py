@@ -197,10 +197,7 @@ def parse_args(argv=None):
 
 
 def peak_flops(kind: str) -> float | None:
-  for name, peak in PEAK_BF16.items():
-    if name in kind:
-      return peak
-  return None
+  return gpu_clock.for_kind(PEAK_BF16, kind)
 
 
 def _ours(results: dict) -> list[dict]:

@@ -196,12 +196,16 @@ def summary(samples: list[dict], windows: list[tuple[float, float]]):
   }
 
 
+def for_kind(table: dict, kind: str):
+  """The value of the first of `table`'s GPU names that the device kind
+  `kind` ("NVIDIA H200") contains, or None: how a data sheet's figures are
+  found, the peak (gpt2.py's `PEAK_BF16`) and its clock alike."""
+  return next((v for name, v in table.items() if name in kind), None)
+
+
 def peak_clock_mhz(kind: str) -> int | None:
   """The clock of `kind`'s data-sheet peak (`PEAK_CLOCK_MHZ`), or None."""
-  for name, mhz in PEAK_CLOCK_MHZ.items():
-    if name in kind:
-      return mhz
-  return None
+  return for_kind(PEAK_CLOCK_MHZ, kind)
 
 
 def mfu_at_clock(mfu: float, clock: dict, peak_mhz: int) -> float:

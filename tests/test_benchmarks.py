@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 
+import _fake_smi
 import pytest
 
 # The benchmark scripts import as modules, as they do beside each other.
@@ -510,20 +511,11 @@ def test_compile_time_steps_are_the_variants_it_builds():
 
 def test_gpt2_benchmark_tiny_runs(capsys, tmp_path, monkeypatch):
   # --clocks with nvidia-smi replaced by a program printing its lines, now's
-  # local time at 1635 MHz, every 2 ms (once, asked for one sample);
-  # tests/test_gpu_clock.py tests the sampling itself.
+  # local time at 1635 MHz, power-capped, every 2 ms (once, asked for one
+  # sample); tests/test_gpu_clock.py tests the sampling itself.
   monkeypatch.setattr(gpu_clock, "available", lambda: True)
-  printer = (
-    "import sys, time\nfrom datetime import datetime\nwhile True:\n"
-    "  now = datetime.now().strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]\n"
-    "  print(f'{now}, 1635, 693.95, 0x4', flush=True)\n"
-    "  if len(sys.argv) < 2: break\n"
-    "  time.sleep(0.002)"
-  )
   monkeypatch.setattr(
-    gpu_clock,
-    "command",
-    lambda ms: [sys.executable, "-c", printer, *([str(ms)] if ms else [])],
+    gpu_clock, "command", lambda ms: _fake_smi.fake_smi(ms, 1635, 0x4, rise=0)
   )
   result = gpt2.main(
     [

@@ -6,7 +6,6 @@ import argparse
 import calendar
 import pathlib
 import sys
-import textwrap
 import time
 
 import pytest
@@ -17,35 +16,7 @@ sys.path.insert(
 
 import gpt2
 import gpu_clock
-
-
-def fake_smi(period_ms: int | None, start_mhz: int, bits: int) -> list[str]:
-  """A program that prints nvidia-smi's lines (`gpu_clock.QUERY`, no header,
-  no units) every `period_ms` (once, for None), now's local time, its SM
-  clock one MHz more each line from `start_mhz`, a power reading every other
-  line ("[N/A]" in between, as chips that do not report it print) and
-  clock-event `bits`."""
-  script = textwrap.dedent(f"""
-    import sys, time
-    from datetime import datetime
-    print("WARNING: a line that is not a sample", flush=True)
-    i = 0
-    while True:
-        now = datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
-        watts = f"{{600 + i}}.50" if i % 2 == 0 else "[N/A]"
-        print(f"{{now}}, {{{start_mhz} + i}}, {{watts}}, 0x{bits:016x}", flush=True)
-        if {period_ms is None}:
-            break
-        i += 1
-        time.sleep({period_ms!r} / 1000)
-    """)
-  return [sys.executable, "-c", script]
-
-
-def failing_smi() -> list[str]:
-  """A program that fails as nvidia-smi does without its driver."""
-  script = "print('Failed to initialize NVML: Driver Not Loaded'); exit(9)"
-  return [sys.executable, "-c", script]
+from _fake_smi import failing_smi, fake_smi
 
 
 @pytest.fixture
