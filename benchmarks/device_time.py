@@ -307,11 +307,12 @@ TOP_KERNELS = 40
 
 def _totals(timed: list, work: list[dict], steps: int, top: int) -> dict:
   """`summary`'s figures from each span's (own microseconds, class, label,
-  kernel name) in `timed`: per step by class and by label (the `top` longest labels, the rest summed as `other labels`), the
-  `TOP_KERNELS` longest kernels by name (launches and microseconds per step,
-  class and label), the spans' number and summed time, the union of
-  `work`'s spans (the busy time) and the time from the first's start to the
-  last's end (`span_us`)."""
+  kernel name) in `timed`: per step by class and by label (the `top`
+  longest labels, the rest summed as `other labels`), the `TOP_KERNELS`
+  longest kernels by name (launches and microseconds per step, class and
+  label), the spans' number and summed time, the union of `work`'s spans
+  (the busy time) and the time from the first's start to the last's end
+  (`span_us`)."""
   by_class = dict.fromkeys(CLASSES, 0.0)
   by_label: dict[str, float] = {}
   by_name: dict[str, dict] = {}
