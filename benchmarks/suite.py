@@ -171,9 +171,9 @@ GPU_JOBS = {
     " --tag 'clock sampled'"
     for n in (30, 5)
   },
-  # gpt2-cublas at 30 steps per wait: run by hand on the evening of
-  # 2026-11-27 (its traces did not come back), where cuBLAS's step
-  # traced at 45.4% back to back in a round of 5.
+  # gpt2-cublas at 30 steps per wait, traced: where cuBLAS's step traced at
+  # 45.4% back to back in a round of 5, the H200 at 16:39 UTC on 2026-11-27
+  # traced this round of 30 at 43.4%, as long as its timed steps.
   "gpt2-cublas-steady": "gpt2.py --no-plain --autocast '' --presets"
   " bf16-mixed,fp16-mixed --steps-per-round 30 --rounds 5"
   " --xla-flags=--xla_gpu_enable_triton_gemm=false --clocks 100"
@@ -192,7 +192,9 @@ GPU_JOBS = {
   # One size: on the H200 of 2026-11-27 two recipes took 33 s each to warm
   # up at n = 4096 (the chip's autotuning, it seems: they compile in 3 s for
   # an H100 here), and three sizes ran past the 150 s a job gets. 8192 is
-  # where the H100 of 2026-11-22 measured FP8 at 1.25x of bf16.
+  # where the H100 of 2026-11-22 measured FP8 at 1.25x of bf16. Alone it
+  # still took 196 s on the H200 at 16:39 UTC on 2026-11-27 (warm-ups of 71
+  # and 74 s), so it needs `--job-timeout 240`.
   "fp8-matmul": "fp8.py --matmul --sizes 8192 --rounds 10",
   # One process per preset: the device's peak is that preset's alone. The
   # chip's compiled step is kept beside the traces: on 2026-11-27 the H200's
