@@ -108,6 +108,9 @@ DEVICELESS = {
 # CUDA 12's: the H100 target (deviceless.TARGETS) names CUDA 12.9.
 CUDA_PLUGINS = ("jax_cuda12_plugin",)
 GPU_JOBS = {
+  # Seven steps, each warmed up: it ran past 150 s on the H200 at 17:24 UTC
+  # on 2026-11-27 after warming up five, and took 177 s alone (given
+  # `--job-timeout 360`), so it needs a timeout of more than 180 s.
   "gpt2": "gpt2.py",
   "gpt2-b32": "gpt2.py --no-plain --presets bf16-mixed --batch 32 --rounds 3",
   # bf16-mixed and fp16-mixed as the H200 ran them on 2026-11-26, on the code
