@@ -116,6 +116,13 @@ def parse_args(argv=None):
     " function through tanh or through the logistic function",
   )
   p.add_argument(
+    "--qkv",
+    choices=gpt_model.QKVS,
+    default="packed",
+    help="the attention's q, k and v projections (gpt_model.GPT's qkv):"
+    " one sliced after its matmul, or three matmuls",
+  )
+  p.add_argument(
     "--xla-flags",
     default="",
     help="added to XLA_FLAGS before JAX starts its backend (recorded in the"
@@ -181,8 +188,14 @@ def parse_args(argv=None):
         p.error(f"--{flag}: {e}")
   if args.lse == "two-pass" and args.loss == "fused":
     p.error("--lse two-pass is the logits loss's: drop it or --loss fused")
-  if args.torch and (args.lse, args.gelu) != ("one-pass", "tanh"):
-    p.error("--lse and --gelu change the JAX model: drop them or --torch")
+  if args.torch and (args.lse, args.gelu, args.qkv) != (
+    "one-pass",
+    "tanh",
+    "packed",
+  ):
+    p.error(
+      "--lse, --gelu and --qkv change the JAX model: drop them or --torch"
+    )
   if args.loss == "fused" and args.autocast:
     # Under autocast the fused loss's float32 matmuls trace as float32
     # operands and run in the compute dtype: not the fused loss's numerics.
@@ -213,6 +226,8 @@ def _run_label(r: dict) -> str:
   label = r.get("loss", "logits")
   if r.get("gelu", "tanh") != "tanh":
     label += f", GELU via {r['gelu']}"
+  if r.get("qkv", "packed") != "packed":
+    label += f", q/k/v {r['qkv']}"
   label += f"; XLA_FLAGS {flags}" if flags else ""
   return label + (f"; {tag}" if tag else "")
 
@@ -449,6 +464,7 @@ def kernels_main(args, cfg: dict, steps: dict, tokens, params, topo) -> dict:
     "batch": args.batch,
     "loss": loss_label(args),
     "gelu": args.gelu,
+    "qkv": args.qkv,
     "kernels": kernels,
     **deviceless.provenance(args.target),
   }
@@ -505,10 +521,10 @@ def model_flops(cfg: dict, batch: int, n_flops: int) -> int:
 
 
 def base_model(
-  cfg: dict, target: str | None, gelu: str = "tanh"
+  cfg: dict, target: str | None, gelu: str = "tanh", qkv: str = "packed"
 ) -> gpt_model.GPT:
-  """The unwrapped model of `config`, tied, with fused attention and its
-  GELU computed as `gelu` says. Compiled for a GPU without one (`target`),
+  """The unwrapped model of `config`, tied, with fused attention, its
+  GELU computed as `gelu` says and its q, k and v projections as `qkv`. Compiled for a GPU without one (`target`),
   the attention is the cuDNN kernel the GPU runs, not the XLA one JAX's CPU
   backend would pick."""
   return gpt_model.GPT(
@@ -517,6 +533,7 @@ def base_model(
     fused_attention=True,
     platform="gpu" if target else None,
     gelu=gelu,
+    qkv=qkv,
   )
 
 
@@ -877,7 +894,7 @@ def main(argv=None):
   cfg = config(args.tiny)
   if args.torch:
     return main_torch(args, cfg)
-  base = base_model(cfg, args.target, args.gelu)
+  base = base_model(cfg, args.target, args.gelu, args.qkv)
   seq = cfg["seq_len"]
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(
@@ -997,6 +1014,7 @@ def main(argv=None):
     **_clock_fields(kind, args),
     "loss": loss_label(args),
     "gelu": args.gelu,
+    "qkv": args.qkv,
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
     **({"tag": args.tag} if args.tag else {}),
     "ratios_vs": names[0],

@@ -191,6 +191,24 @@ GPU_JOBS = {
   " --steps-per-round 30 --rounds 5 --lse two-pass --gelu logistic"
   " --xla-flags=--xla_gpu_enable_triton_gemm=false"
   " --profile benchmarks/results/traces/gpt2-tuned",
+  # gpt2-cublas-steady's bf16-mixed with the attention's q, k and v
+  # projection as one `Dense` (`--qkv dense`, gpt_model.QKVS). In the
+  # H200's traces of 16:39 UTC on 2026-11-27 the packed projection's bias,
+  # of rank 3, was not one cuBLASLt's epilogue takes: XLA wrote it out
+  # whole for the GEMM to add (`fwd attn/qkv/add`, 0.55 ms a step). A vector
+  # bias it adds in the epilogue; compiled for an H100 here the step moves
+  # 1.8 GB less. On the H200 at 18:06 UTC on 2026-11-27 the kernel was gone
+  # and the device busy 0.28 ms (hand-bf16) and 0.54 ms (bf16-mixed) less a
+  # step than gpt2-cublas-steady's in the same call.
+  # `--qkv split` (three projections, no slices around the attention) has
+  # no job: with XLA's dot merger kept from merging the three back
+  # (`--xla_gpu_dot_merger_threshold_mb=0`) the H200 had not compiled its
+  # first step after 170 s, nor after 300 s in a second call; for an H100
+  # here it compiles in 9 s and moves 1.5 GB a step less than "packed".
+  "gpt2-qkv-dense": "gpt2.py --no-plain --autocast '' --presets"
+  " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense"
+  " --xla-flags=--xla_gpu_enable_triton_gemm=false --clocks 100"
+  " --profile benchmarks/results/traces/gpt2-qkv-dense",
   "loss-head-gpu": "loss_head.py",
   # One size: on the H200 of 2026-11-27 two recipes took 33 s each to warm
   # up at n = 4096 (the chip's autotuning, it seems: they compile in 3 s for

@@ -37,6 +37,15 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # What `GPT(gelu=...)` takes: two ways to compute GPT-2's GELU, its tanh
 # approximation (`gelu_logistic`).
 GELUS = ("tanh", "logistic")
+# What `GPT(qkv=...)` takes, three layouts of the attention's q, k and v
+# projections, the same function of the same numbers (`qkv_params` maps
+# the params from "packed" to the others):
+# - "packed": one `DenseGeneral` to (3, heads, head_dim), named "qkv";
+# - "dense": one `Dense` to 3 d_model, named "qkv", its bias a vector,
+#   which XLA:GPU adds in cuBLASLt's epilogue (packed's it writes out);
+# - "split": three `Dense`s to d_model, named "q", "k" and "v", each output
+#   written whole where the attention reads it (no slices to copy).
+QKVS = ("packed", "dense", "split")
 
 
 def check_platform(platform: str | None, fused: bool) -> None:
@@ -59,6 +68,12 @@ def check_gelu(gelu: str) -> None:
     raise ValueError(f"gelu must be one of {GELUS}, got {gelu!r}")
 
 
+def check_qkv(qkv: str) -> None:
+  """Refuses a `qkv` that is not one of `QKVS`."""
+  if qkv not in QKVS:
+    raise ValueError(f"qkv must be one of {QKVS}, got {qkv!r}")
+
+
 def gelu_logistic(x):
   """`nn.gelu(x)` (GELU's tanh approximation, GPT-2's) through the logistic
   function: `0.5 * (1 + tanh(u)) == sigmoid(2 * u)`, so `x * sigmoid(2 *
@@ -77,17 +92,29 @@ class CausalSelfAttention(nn.Module):
   # step is compiled for a GPU on a machine without one (benchmarks/
   # deviceless.py), so it gets the cuDNN attention the GPU would run.
   platform: str | None = None
+  # The q, k and v projections' layout, one of QKVS.
+  qkv: str = "packed"
 
   def __post_init__(self):
     check_platform(self.platform, self.fused)
+    check_qkv(self.qkv)
     super().__post_init__()
 
   @nn.compact
   def __call__(self, x):
     batch, seq, d = x.shape
     head_dim = d // self.heads
-    qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    heads = (batch, seq, self.heads, head_dim)
+    if self.qkv == "split":
+      q, k, v = (
+        nn.Dense(d, name=name)(x).reshape(heads) for name in ("q", "k", "v")
+      )
+    else:
+      if self.qkv == "dense":
+        qkv = nn.Dense(3 * d, name="qkv")(x).reshape(batch, seq, 3, *heads[2:])
+      else:
+        qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
+      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.fused:  # the kernels keep softmax statistics in float32
       # cuDNN flash attention takes bf16/fp16 on GPUs; JAX's default (None)
       # is its XLA implementation, which materializes the T x T scores.
@@ -114,16 +141,18 @@ class Block(nn.Module):
   fused: bool = False
   platform: str | None = None
   gelu: str = "tanh"  # one of GELUS
+  qkv: str = "packed"  # one of QKVS
 
   def __post_init__(self):
     check_gelu(self.gelu)
+    check_qkv(self.qkv)
     super().__post_init__()
 
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
     attn = CausalSelfAttention(
-      self.heads, self.fused, self.platform, name="attn"
+      self.heads, self.fused, self.platform, self.qkv, name="attn"
     )
     x = x + attn(nn.LayerNorm()(x))
     h = _fc_gelu(self, nn.LayerNorm()(x))
@@ -184,10 +213,14 @@ class GPT(nn.Module):
   # How the MLP computes its GELU (GELUS): "tanh" as `nn.gelu`, "logistic"
   # the same function as `gelu_logistic` computes it.
   gelu: str = "tanh"
+  # The layout of the attention's q, k and v projections, one of QKVS
+  # ("packed" as GPT-2's; `qkv_params` maps the params to the others).
+  qkv: str = "packed"
 
   def __post_init__(self):
     check_platform(self.platform, self.fused_attention)
     check_gelu(self.gelu)
+    check_qkv(self.qkv)
     super().__post_init__()
 
   @nn.compact
@@ -211,6 +244,7 @@ class GPT(nn.Module):
         self.fused_attention,
         self.platform,
         self.gelu,
+        self.qkv,
         name=f"block{i}",
       )(x)
     x = nn.LayerNorm(name="ln_f")(x)
@@ -453,3 +487,42 @@ def init_shapes(model: GPT, dtype=jnp.float32) -> dict:
   tokens = jax.ShapeDtypeStruct((1, model.seq_len), jnp.int32)
   shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes)
+
+
+def qkv_params(params: dict, qkv: str) -> dict:
+  """`params` of a `GPT(qkv="packed")` as a `GPT(qkv=qkv)` takes them
+  (`QKVS`): each block's `attn/qkv` kernel (d_model, 3, heads, head_dim) and
+  bias (3, heads, head_dim) flattened to (d_model, 3 d_model) and (3
+  d_model) for "dense", sliced along the axis of 3 into `attn/q`, `attn/k`
+  and `attn/v` for "split"; every other leaf is passed on as it is.
+
+  Raises:
+    ValueError: for a `qkv` not in `QKVS`, or a block whose attention has no
+      packed `qkv` projection.
+  """
+  check_qkv(qkv)
+  out = dict(params)
+  for name, block in params.items():
+    if not name.startswith("block"):
+      continue
+    attn = dict(block["attn"])
+    packed = attn.pop("qkv", {})
+    if getattr(packed.get("kernel"), "ndim", None) != 4:
+      raise ValueError(
+        f"params[{name!r}]['attn'] has no packed 'qkv' projection (a kernel"
+        f" of rank 4); it has {sorted(block['attn'])}"
+      )
+    kernel, bias = packed["kernel"], packed["bias"]
+    d = kernel.shape[0]
+    if qkv == "packed":
+      attn["qkv"] = {"kernel": kernel, "bias": bias}
+    elif qkv == "dense":
+      attn["qkv"] = {"kernel": kernel.reshape(d, -1), "bias": bias.reshape(-1)}
+    else:
+      for i, part in enumerate(("q", "k", "v")):
+        attn[part] = {
+          "kernel": kernel[:, i].reshape(d, -1),
+          "bias": bias[i].reshape(-1),
+        }
+    out[name] = {**block, "attn": attn}
+  return out

@@ -100,6 +100,8 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
       "drop them or --torch",
     ),
     (gpt2.parse_args, ["--gelu", "erf"], "invalid choice: 'erf'"),
+    (gpt2.parse_args, ["--torch", "--qkv", "dense"], "drop them or --torch"),
+    (gpt2.parse_args, ["--qkv", "fused"], "invalid choice: 'fused'"),
     (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "choice: 'bf16-lin'"),
     (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),
     (loss_head.parse_args, ["--chunks", "64,0"], "'64,0' is not a comma"),
@@ -639,10 +641,15 @@ def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
   def broken(*args, **kwargs):
     raise RuntimeError("no trace")
 
-  # The run's loss and GELU as --lse and --gelu say: each call traced is
-  # recorded.
-  calls = {"one_pass": set(), "logistic": 0}
+  # The run's loss, GELU and q/k/v layout as --lse, --gelu and --qkv say:
+  # each call traced is recorded.
+  calls = {"one_pass": set(), "logistic": 0, "qkv": set()}
   cross_entropy, gelu = gpt_model.cross_entropy, gpt_model.gelu_logistic
+  attention_call = gpt_model.CausalSelfAttention.__call__
+
+  def recorded_attention(self, x):
+    calls["qkv"].add(self.qkv)
+    return attention_call(self, x)
 
   def recorded_loss(logits, targets, *, one_pass=True):
     calls["one_pass"].add(one_pass)
@@ -654,6 +661,9 @@ def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
 
   monkeypatch.setattr(gpt_model, "cross_entropy", recorded_loss)
   monkeypatch.setattr(gpt_model, "gelu_logistic", recorded_gelu)
+  monkeypatch.setattr(
+    gpt_model.CausalSelfAttention, "__call__", recorded_attention
+  )
   monkeypatch.setattr(device_time, "summary", broken)
   out = tmp_path / "gpt2.json"
   with pytest.raises(RuntimeError, match="no trace"):
@@ -662,15 +672,18 @@ def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
         *("--tiny", "--presets", "bf16-mixed", "--autocast", "", "--batch"),
         *("2", "--rounds", "1", "--steps-per-round", "1", "--warmup", "1"),
         *("--no-plain", "--json", str(out), "--profile", str(tmp_path)),
-        *("--lse", "two-pass", "--gelu", "logistic"),
+        *("--lse", "two-pass", "--gelu", "logistic", "--qkv", "dense"),
       ]
     )
   saved = json.loads(out.read_text())
   assert [r["step"] for r in saved["rows"]] == ["hand-bf16", "bf16-mixed"]
   assert "profiles" not in saved
   assert calls["one_pass"] == {False} and calls["logistic"] > 0
+  assert calls["qkv"] == {"dense"}
   assert saved["loss"] == "logits, two-pass LSE" and saved["gelu"] == "logistic"
-  row = "| bf16-mixed | 2 | 1 | logits, two-pass LSE, GELU via logistic;"
+  assert saved["qkv"] == "dense"
+  row = "| bf16-mixed | 2 | 1 | logits, two-pass LSE, GELU via logistic,"
+  row += " q/k/v dense;"
   assert row in gpt2.table({"gpt2": saved})  # then the run's XLA_FLAGS
 
 

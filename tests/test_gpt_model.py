@@ -470,3 +470,69 @@ def test_gelu_through_the_logistic_is_gpt2s_gelu():
   assert "logistic" in jaxpr and "tanh" not in jaxpr
   with pytest.raises(ValueError, match=r"gelu must be one of .*got 'erf'"):
     gpt_model.GPT(**kwargs, gelu="erf")
+
+
+@pytest.mark.parametrize("qkv", ["dense", "split"])
+def test_each_qkv_layout_is_the_packed_models_function(qkv):
+  # The packed model (GPT-2's one DenseGeneral) is the reference: with its
+  # params mapped by qkv_params, each layout gives its loss, and gradients
+  # that qkv_params maps the packed ones onto (the map is a reshape and
+  # slices, so linear). Layer norms, fused attention off, two blocks.
+  kwargs = dict(layers=2, d_model=32, heads=4, seq_len=16)
+  tokens = jnp.asarray(
+    np.random.default_rng(0).integers(0, gpt_model.VOCAB, (2, 17)), jnp.int32
+  )
+  packed = gpt_model.GPT(**kwargs)
+  model = gpt_model.GPT(**kwargs, qkv=qkv)
+  params = packed.init(jax.random.key(0), tokens[:, :-1])["params"]
+  mapped = gpt_model.qkv_params(params, qkv)
+  made = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+  assert jax.tree.map(jnp.shape, mapped) == jax.tree.map(jnp.shape, made)
+  names = set(mapped["block1"]["attn"])
+  assert names == (
+    {"q", "k", "v", "proj"} if qkv == "split" else {"qkv", "proj"}
+  )
+
+  def loss(m, p):
+    logits = m.apply({"params": p}, tokens[:, :-1])
+    return gpt_model.cross_entropy(logits, tokens[:, 1:])
+
+  want, want_grads = jax.value_and_grad(functools.partial(loss, packed))(params)
+  got, grads = jax.value_and_grad(functools.partial(loss, model))(mapped)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  want_grads = gpt_model.qkv_params(want_grads, qkv)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    w = functools.reduce(lambda t, k: t[k.key], path, want_grads)
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=str(path))
+  # Under bf16-mixed every matmul of the layout's projections is bfloat16.
+  mixed = jmp_train.linen.wrap(model, jmp_train.get_preset("bf16-mixed").policy)
+  from jax.extend.core import jaxprs_in_params
+
+  def dots(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        yield eqn
+      for sub in jaxprs_in_params(eqn.params):
+        yield from dots(sub)
+
+  found = list(
+    dots(jax.make_jaxpr(functools.partial(loss, mixed))(mapped).jaxpr)
+  )
+  assert len(found) >= 2 * (3 if qkv == "split" else 1) + 2 * 3
+  assert all(v.aval.dtype == jnp.bfloat16 for e in found for v in e.invars)
+
+
+def test_qkv_layouts_are_refused_by_name():
+  kwargs = dict(layers=1, d_model=16, heads=2, seq_len=8)
+  with pytest.raises(ValueError, match=r"qkv must be one of .*got 'fused'"):
+    gpt_model.GPT(**kwargs, qkv="fused")
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  params = gpt_model.GPT(**kwargs).init(jax.random.key(0), tokens)["params"]
+  with pytest.raises(ValueError, match=r"qkv must be one of .*got 'fused'"):
+    gpt_model.qkv_params(params, "fused")
+  split = gpt_model.qkv_params(params, "split")
+  with pytest.raises(ValueError, match=r"no packed 'qkv'.*\['k', 'proj'"):
+    gpt_model.qkv_params(split, "dense")
+  dense = gpt_model.qkv_params(params, "dense")
+  with pytest.raises(ValueError, match=r"block0'\]\['attn'\] has no packed"):
+    gpt_model.qkv_params(dense, "split")
