@@ -119,8 +119,11 @@ def parse_args(argv=None):
     "--qkv",
     choices=gpt_model.QKVS,
     default="packed",
-    help="the attention's q, k and v projections (gpt_model.GPT's qkv):"
-    " one sliced after its matmul, or three matmuls",
+    help="the layout of the attention's q, k and v projections"
+    " (gpt_model.GPT's qkv): packed, GPT-2's DenseGeneral to (3, heads,"
+    " head_dim); dense, one Dense whose bias is a vector; split, three"
+    " Denses, which XLA merges back into one unless --xla-flags has"
+    " --xla_gpu_dot_merger_threshold_mb=0",
   )
   p.add_argument(
     "--xla-flags",
@@ -188,13 +191,16 @@ def parse_args(argv=None):
         p.error(f"--{flag}: {e}")
   if args.lse == "two-pass" and args.loss == "fused":
     p.error("--lse two-pass is the logits loss's: drop it or --loss fused")
-  if args.torch and (args.lse, args.gelu, args.qkv) != (
-    "one-pass",
-    "tanh",
-    "packed",
-  ):
+  model_flags = {"lse": "one-pass", "gelu": "tanh", "qkv": "packed"}
+  changed = [
+    f"--{flag} {getattr(args, flag)}"
+    for flag, default in model_flags.items()
+    if getattr(args, flag) != default
+  ]
+  if args.torch and changed:
     p.error(
-      "--lse, --gelu and --qkv change the JAX model: drop them or --torch"
+      f"{', '.join(changed)}: --lse, --gelu and --qkv change the JAX model,"
+      " not the PyTorch twin: drop them or --torch"
     )
   if args.loss == "fused" and args.autocast:
     # Under autocast the fused loss's float32 matmuls trace as float32
@@ -220,8 +226,9 @@ def _ours(results: dict) -> list[dict]:
 
 
 def _run_label(r: dict) -> str:
-  """How a run computed its loss (and its GELU, where not through tanh),
-  the XLA flags it set, and its tag."""
+  """How a run computed its loss (and its GELU, where not through tanh,
+  and its q, k and v projections, where not packed), the XLA flags it set,
+  and its tag."""
   flags, tag = r.get("xla_flags"), r.get("tag")
   label = r.get("loss", "logits")
   if r.get("gelu", "tanh") != "tanh":
@@ -523,10 +530,11 @@ def model_flops(cfg: dict, batch: int, n_flops: int) -> int:
 def base_model(
   cfg: dict, target: str | None, gelu: str = "tanh", qkv: str = "packed"
 ) -> gpt_model.GPT:
-  """The unwrapped model of `config`, tied, with fused attention, its
-  GELU computed as `gelu` says and its q, k and v projections as `qkv`. Compiled for a GPU without one (`target`),
-  the attention is the cuDNN kernel the GPU runs, not the XLA one JAX's CPU
-  backend would pick."""
+  """The unwrapped model of `config`, tied, with fused attention, its GELU
+  computed as `gelu` says and its q, k and v projections laid out as `qkv`
+  says. Compiled for a GPU without one (`target`), the attention is the
+  cuDNN kernel the GPU runs, not the XLA one JAX's CPU backend would
+  pick."""
   return gpt_model.GPT(
     **cfg,
     tied=True,

@@ -194,10 +194,10 @@ GPU_JOBS = {
   # gpt2-cublas-steady's bf16-mixed with the attention's q, k and v
   # projection as one `Dense` (`--qkv dense`, gpt_model.QKVS). In the
   # H200's traces of 16:39 UTC on 2026-11-27 the packed projection's bias,
-  # of rank 3, was not one cuBLASLt's epilogue takes: XLA wrote it out
-  # whole for the GEMM to add (`fwd attn/qkv/add`, 0.55 ms a step). A vector
-  # bias it adds in the epilogue; compiled for an H100 here the step moves
-  # 1.8 GB less. On the H200 at 18:06 UTC on 2026-11-27 the kernel was gone
+  # of rank 3, was not one XLA gives cuBLASLt's epilogue: it wrote the bias
+  # out whole for the GEMM to add (`fwd attn/qkv/add`, 0.55 ms a step). XLA
+  # adds a vector bias in the epilogue; compiled for an H100 here, with one,
+  # the step moves 1.8 GB less. On the H200 at 18:06 UTC on 2026-11-27 the kernel was gone
   # and the device busy 0.28 ms (hand-bf16) and 0.54 ms (bf16-mixed) less a
   # step than gpt2-cublas-steady's in the same call.
   # `--qkv split` (three projections, no slices around the attention) has

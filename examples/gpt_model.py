@@ -42,9 +42,12 @@ GELUS = ("tanh", "logistic")
 # the params from "packed" to the others):
 # - "packed": one `DenseGeneral` to (3, heads, head_dim), named "qkv";
 # - "dense": one `Dense` to 3 d_model, named "qkv", its bias a vector,
-#   which XLA:GPU adds in cuBLASLt's epilogue (packed's it writes out);
+#   which XLA:GPU adds in cuBLASLt's epilogue (the packed projection's
+#   bias, of rank 3, it writes out whole for the GEMM to add);
 # - "split": three `Dense`s to d_model, named "q", "k" and "v", each output
-#   written whole where the attention reads it (no slices to copy).
+#   written whole where the attention reads it, so long as XLA keeps the
+#   three matmuls apart: its dot merger merges them back into one and
+#   slices its output, unless `--xla_gpu_dot_merger_threshold_mb=0`.
 QKVS = ("packed", "dense", "split")
 
 
@@ -104,14 +107,15 @@ class CausalSelfAttention(nn.Module):
   def __call__(self, x):
     batch, seq, d = x.shape
     head_dim = d // self.heads
-    heads = (batch, seq, self.heads, head_dim)
     if self.qkv == "split":
       q, k, v = (
-        nn.Dense(d, name=name)(x).reshape(heads) for name in ("q", "k", "v")
+        nn.Dense(d, name=name)(x).reshape(batch, seq, self.heads, head_dim)
+        for name in ("q", "k", "v")
       )
     else:
       if self.qkv == "dense":
-        qkv = nn.Dense(3 * d, name="qkv")(x).reshape(batch, seq, 3, *heads[2:])
+        qkv = nn.Dense(3 * d, name="qkv")(x)
+        qkv = qkv.reshape(batch, seq, 3, self.heads, head_dim)
       else:
         qkv = nn.DenseGeneral((3, self.heads, head_dim), name="qkv")(x)
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -497,20 +501,29 @@ def qkv_params(params: dict, qkv: str) -> dict:
   and `attn/v` for "split"; every other leaf is passed on as it is.
 
   Raises:
-    ValueError: for a `qkv` not in `QKVS`, or a block whose attention has no
-      packed `qkv` projection.
+    ValueError: for a `qkv` not in `QKVS`, params with no block (a
+      `{"params": ...}` dict, say), or a block whose attention has no packed
+      `qkv` projection (params already mapped).
   """
   check_qkv(qkv)
+  if not any(name.startswith("block") for name in params):
+    raise ValueError(
+      f"params has no block to map to qkv={qkv!r}: its keys are"
+      f" {sorted(params)} (pass the GPT's params, not a dict holding them)"
+    )
   out = dict(params)
   for name, block in params.items():
     if not name.startswith("block"):
       continue
     attn = dict(block["attn"])
     packed = attn.pop("qkv", {})
-    if getattr(packed.get("kernel"), "ndim", None) != 4:
+    shape = getattr(packed.get("kernel"), "shape", None)
+    if shape is None or len(shape) != 4:
       raise ValueError(
-        f"params[{name!r}]['attn'] has no packed 'qkv' projection (a kernel"
-        f" of rank 4); it has {sorted(block['attn'])}"
+        f"params[{name!r}]['attn'] has no packed 'qkv' projection to map to"
+        f" qkv={qkv!r}, a kernel of rank 4 (d_model, 3, heads, head_dim):"
+        f" it has {sorted(block['attn'])}, the 'qkv' kernel of shape"
+        f" {shape} (params already mapped?)"
       )
     kernel, bias = packed["kernel"], packed["bias"]
     d = kernel.shape[0]

@@ -97,10 +97,10 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (
       gpt2.parse_args,
       ["--torch", "--gelu", "logistic"],
-      "drop them or --torch",
+      "--gelu logistic: --lse, --gelu and --qkv change the JAX model",
     ),
     (gpt2.parse_args, ["--gelu", "erf"], "invalid choice: 'erf'"),
-    (gpt2.parse_args, ["--torch", "--qkv", "dense"], "drop them or --torch"),
+    (gpt2.parse_args, ["--torch", "--qkv", "dense"], "--qkv dense: --lse"),
     (gpt2.parse_args, ["--qkv", "fused"], "invalid choice: 'fused'"),
     (gpt2_memory.parse_args, ["--preset", "bf16-lin"], "choice: 'bf16-lin'"),
     (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
+from jax.extend.core import jaxprs_in_params
 
 import jmp_train
 
@@ -472,19 +473,32 @@ def test_gelu_through_the_logistic_is_gpt2s_gelu():
     gpt_model.GPT(**kwargs, gelu="erf")
 
 
+@pytest.mark.parametrize("fused_attention", [False, True])
 @pytest.mark.parametrize("qkv", ["dense", "split"])
-def test_each_qkv_layout_is_the_packed_models_function(qkv):
+def test_each_qkv_layout_is_the_packed_models_function(qkv, fused_attention):
   # The packed model (GPT-2's one DenseGeneral) is the reference: with its
   # params mapped by qkv_params, each layout gives its loss, and gradients
   # that qkv_params maps the packed ones onto (the map is a reshape and
-  # slices, so linear). Layer norms, fused attention off, two blocks.
+  # slices, so linear). The params are perturbed, so the biases are not
+  # zero and a bias in the wrong place changes the loss. Two blocks, with
+  # XLA's attention and with jax.nn.dot_product_attention's.
   kwargs = dict(layers=2, d_model=32, heads=4, seq_len=16)
+  kwargs["fused_attention"] = fused_attention
   tokens = jnp.asarray(
     np.random.default_rng(0).integers(0, gpt_model.VOCAB, (2, 17)), jnp.int32
   )
   packed = gpt_model.GPT(**kwargs)
   model = gpt_model.GPT(**kwargs, qkv=qkv)
   params = packed.init(jax.random.key(0), tokens[:, :-1])["params"]
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = jax.tree.unflatten(
+    tree,
+    [
+      x + 0.05 * jax.random.normal(k, x.shape)
+      for x, k in zip(leaves, keys, strict=True)
+    ],
+  )
   mapped = gpt_model.qkv_params(params, qkv)
   made = model.init(jax.random.key(0), tokens[:, :-1])["params"]
   assert jax.tree.map(jnp.shape, mapped) == jax.tree.map(jnp.shape, made)
@@ -504,9 +518,10 @@ def test_each_qkv_layout_is_the_packed_models_function(qkv):
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
     w = functools.reduce(lambda t, k: t[k.key], path, want_grads)
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=str(path))
-  # Under bf16-mixed every matmul of the layout's projections is bfloat16.
+  # Under bf16-mixed each of the layout's projections is a matmul of
+  # bfloat16 operands in the forward pass, as every other matmul is: q, k,
+  # v and the output projection, (32, 32) kernels, or the (32, 96) one.
   mixed = jmp_train.linen.wrap(model, jmp_train.get_preset("bf16-mixed").policy)
-  from jax.extend.core import jaxprs_in_params
 
   def dots(jaxpr):
     for eqn in jaxpr.eqns:
@@ -518,8 +533,12 @@ def test_each_qkv_layout_is_the_packed_models_function(qkv):
   found = list(
     dots(jax.make_jaxpr(functools.partial(loss, mixed))(mapped).jaxpr)
   )
-  assert len(found) >= 2 * (3 if qkv == "split" else 1) + 2 * 3
   assert all(v.aval.dtype == jnp.bfloat16 for e in found for v in e.invars)
+  kernels = [e.invars[1].aval.shape for e in found]
+  if qkv == "split":
+    assert kernels.count((32, 32)) == 2 * 4
+  else:
+    assert kernels.count((32, 96)) == 2 and kernels.count((32, 32)) == 2
 
 
 def test_qkv_layouts_are_refused_by_name():
@@ -527,12 +546,15 @@ def test_qkv_layouts_are_refused_by_name():
   with pytest.raises(ValueError, match=r"qkv must be one of .*got 'fused'"):
     gpt_model.GPT(**kwargs, qkv="fused")
   tokens = jnp.zeros((1, 8), jnp.int32)
-  params = gpt_model.GPT(**kwargs).init(jax.random.key(0), tokens)["params"]
+  variables = gpt_model.GPT(**kwargs).init(jax.random.key(0), tokens)
+  params = variables["params"]
   with pytest.raises(ValueError, match=r"qkv must be one of .*got 'fused'"):
     gpt_model.qkv_params(params, "fused")
+  with pytest.raises(ValueError, match=r"no block .*keys are \['params'\]"):
+    gpt_model.qkv_params(variables, "dense")
   split = gpt_model.qkv_params(params, "split")
-  with pytest.raises(ValueError, match=r"no packed 'qkv'.*\['k', 'proj'"):
+  with pytest.raises(ValueError, match=r"it has \['k', 'proj', 'q', 'v'\]"):
     gpt_model.qkv_params(split, "dense")
   dense = gpt_model.qkv_params(params, "dense")
-  with pytest.raises(ValueError, match=r"block0'\]\['attn'\] has no packed"):
+  with pytest.raises(ValueError, match=r"kernel of shape \(16, 48\)"):
     gpt_model.qkv_params(dense, "split")
