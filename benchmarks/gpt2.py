@@ -191,11 +191,10 @@ def parse_args(argv=None):
         p.error(f"--{flag}: {e}")
   if args.lse == "two-pass" and args.loss == "fused":
     p.error("--lse two-pass is the logits loss's: drop it or --loss fused")
-  model_flags = {"lse": "one-pass", "gelu": "tanh", "qkv": "packed"}
   changed = [
     f"--{flag} {getattr(args, flag)}"
-    for flag, default in model_flags.items()
-    if getattr(args, flag) != default
+    for flag in ("lse", "gelu", "qkv")
+    if getattr(args, flag) != p.get_default(flag)
   ]
   if args.torch and changed:
     p.error(

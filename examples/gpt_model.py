@@ -506,15 +506,15 @@ def qkv_params(params: dict, qkv: str) -> dict:
       `qkv` projection (params already mapped).
   """
   check_qkv(qkv)
-  if not any(name.startswith("block") for name in params):
+  blocks = [name for name in params if name.startswith("block")]
+  if not blocks:
     raise ValueError(
       f"params has no block to map to qkv={qkv!r}: its keys are"
       f" {sorted(params)} (pass the GPT's params, not a dict holding them)"
     )
   out = dict(params)
-  for name, block in params.items():
-    if not name.startswith("block"):
-      continue
+  for name in blocks:
+    block = params[name]
     attn = dict(block["attn"])
     packed = attn.pop("qkv", {})
     shape = getattr(packed.get("kernel"), "shape", None)
