@@ -5,11 +5,11 @@ limits, compute capability, cuDNN and CUDA versions) as it would for one it
 finds, less the autotuning that needs the chip: `jax.jit(f).lower(...)` on
 arguments placed on that target's devices, then `.compile()`, gives the
 compiled HLO, kernels and buffer sizes XLA would run there, with cuBLAS for
-its matmuls (`CHIP_GEMMS`, below). The numbers the
-target needs are the H100 SXM's published ones (132 SMs, 80 GB of HBM3 at
-3.35 TB/s, 50 MB of L2); the CUDA and cuDNN versions are those of the
-`jax[cuda12]` wheels this was written with. It needs JAX's CUDA plugin
-installed (`pip install "jax[cuda12]"`, the same version as jax), and no GPU.
+its matmuls (`CHIP_GEMMS`, below). The numbers a target needs are its
+chip's published ones (`TARGETS`: the H100 SXM and the H200); the CUDA and
+cuDNN versions are those of the `jax[cuda12]` wheels this was written with.
+It needs JAX's CUDA plugin installed (`pip install "jax[cuda12]"`, the same
+version as jax), and no GPU.
 
   topology = deviceless.topology("h100")
   x = deviceless.abstract(jnp.zeros((8, 8)), topology)
@@ -24,9 +24,12 @@ import re
 import jax
 from jax.experimental import topologies
 
-TARGETS = {
-  "h100": """
-gpu_device_info {
+
+def _hopper(name: str, memory_bandwidth: int, device_memory_size: int) -> str:
+  """An H100 SXM's or H200's target: one GH100 chip (132 SMs, 50 MB of L2,
+  a boost clock of 1.98 GHz), with its own memory."""
+  return f"""
+gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
@@ -37,20 +40,29 @@ gpu_device_info {
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000
+  memory_bandwidth: {memory_bandwidth}
   l2_cache_size: 52428800
   clock_rate_ghz: 1.98
-  device_memory_size: 84929347584
+  device_memory_size: {device_memory_size}
   shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 minor: 0 }
+  cuda_compute_capability {{ major: 9 minor: 0 }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
-}
+}}
 platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-runtime_version { major: 12 minor: 9 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-""",
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 9 }}
+device_description_str: "{name}"
+"""
+
+
+# The H100 SXM: 80 GB of HBM3 at 3.35 TB/s. The H200: 141 GB of HBM3e
+# (143,771 MiB as nvidia-smi counts it) at 4.8 TB/s, the GPU lent to most
+# sessions since 2026-11-26; its name is the one JAX gives it there
+# (`device_kind`, as environment-gpu.json records).
+TARGETS = {
+  "h100": _hopper("NVIDIA H100 80GB HBM3", 3_352_320_000_000, 84_929_347_584),
+  "h200": _hopper("NVIDIA H200", 4_800_000_000_000, 143_771 * 2**20),
 }
 
 

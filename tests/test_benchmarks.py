@@ -992,6 +992,34 @@ ENTRY %main (x: f32[4,8], b: f32[8], i: s32[]) -> f32[4,8] {
   assert overhead.kernel_list(real) == [("fusion", 3 * 4000)]
 
 
+def test_kernel_bytes_leave_out_cublas_and_cudnn_workspace():
+  # XLA:GPU's cuBLAS and cuDNN calls return their workspace last, a flat s8
+  # or u8 array, whose size the chip's autotuning picks: scratch, not data.
+  # Lines as the H200's compiled step has them (shortened); bf16[4,8] is 64
+  # bytes, f32[4] 16, bf16[4,4] 32.
+  hlo = """
+ENTRY %main (x: bf16[4,8], w: bf16[8,4], q: bf16[4,4]) -> bf16[4,4] {
+  %x = bf16[4,8]{1,0} parameter(0)
+  %w = bf16[8,4]{1,0} parameter(1)
+  %q = bf16[4,4]{1,0} parameter(2)
+  %mm = (bf16[4,4]{1,0}, s8[33554432]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", backend_config={}
+  %y = bf16[4,4]{1,0} get-tuple-element(%mm), index=0
+  %at = (bf16[4,4]{1,0}, f32[4]{0}, u8[51118336]{0}) custom-call(%q, %y), custom_call_target="__cudnn$fmhaSoftmax"
+  %o = bf16[4,4]{1,0} get-tuple-element(%at), index=0
+  %mine = (bf16[4,4]{1,0}, u8[100]{0}) custom-call(%o), custom_call_target="my_op"
+  ROOT %r = bf16[4,4]{1,0} get-tuple-element(%mine), index=0
+}
+"""
+  assert overhead.kernel_list(hlo) == [
+    ("custom-call", 64 + 64 + 32),  # x, w and the product
+    ("custom-call", 32 + 32 + 32 + 16),  # q, y, the output and its stats
+    ("custom-call", 32 + 32 + 100),  # not XLA's library call: all counted
+  ]
+  assert overhead.kernel_summary(hlo)["mbytes"] == round(
+    (160 + 112 + 164) / 1e6, 1
+  )
+
+
 def test_kernels_table_says_which_conditionals_are_left():
   result = overhead.main(["--dims", "16,32,4", "--kernels", "--update-only"])
   k = result["kernels"]
@@ -1018,7 +1046,9 @@ def test_deviceless_target_is_checked_and_needs_the_plugin(platforms_restored):
   import deviceless
   import jax
 
-  with pytest.raises(ValueError, match=r"target must be one of \['h100'\]"):
+  with pytest.raises(
+    ValueError, match=r"target must be one of \['h100', 'h200'\]"
+  ):
     deviceless.topology("a100")
   assert deviceless.start(None) is None  # no target: JAX left as it was
   assert jax.config.jax_platforms == platforms_restored
@@ -1035,6 +1065,33 @@ def test_deviceless_target_is_checked_and_needs_the_plugin(platforms_restored):
     ):
       refused()
     assert os.environ.get("XLA_FLAGS") == flags  # refused: left as it was
+
+
+def test_deviceless_h200_is_the_lent_chip_with_its_own_memory():
+  # The H200 target bears the name JAX gave the lent chip (the GPU machine's
+  # record), and differs from the H100's only in its memory: 141 GB of HBM3e
+  # at 4.8 TB/s against 80 GB of HBM3 at 3.35 TB/s, the same GH100 chip.
+  import deviceless
+
+  recorded = json.loads((RESULTS / "environment-gpu.json").read_text())
+  assert deviceless.name("h200") == recorded["gpu"] == "NVIDIA H200"
+  assert deviceless.name("h100") == "NVIDIA H100 80GB HBM3"
+
+  def fields(target):
+    return dict(
+      re.findall(r"^\s*(\w+): (.+)$", deviceless.TARGETS[target], re.M)
+    )
+
+  h100, h200 = fields("h100"), fields("h200")
+  differ = {k for k in h100.keys() | h200.keys() if h100.get(k) != h200.get(k)}
+  assert differ == {
+    "memory_bandwidth",
+    "device_memory_size",
+    "device_description_str",
+  }
+  assert int(h200["memory_bandwidth"]) == 4.8e12
+  assert int(h200["device_memory_size"]) == 143771 * 1024 * 1024
+  assert int(h100["core_count"]) == 132
 
 
 def test_deviceless_compiles_with_the_chips_gemms(
