@@ -57,9 +57,9 @@ device_description_str: "{name}"
 
 
 # The H100 SXM: 80 GB of HBM3 at 3.35 TB/s. The H200: 141 GB of HBM3e
-# (143,771 MiB as nvidia-smi counts it) at 4.8 TB/s, the GPU lent to most
-# sessions since 2026-11-26; its name is the one JAX gives it there
-# (`device_kind`, as environment-gpu.json records).
+# (143,771 MiB as nvidia-smi counts it) at 4.8 TB/s, the GPU of every GPU
+# run in BENCHMARKS.md since 2026-11-26; its name is the one JAX gives it
+# (`device_kind`, as those runs recorded it).
 TARGETS = {
   "h100": _hopper("NVIDIA H100 80GB HBM3", 3_352_320_000_000, 84_929_347_584),
   "h200": _hopper("NVIDIA H200", 4_800_000_000_000, 143_771 * 2**20),

@@ -204,9 +204,10 @@ GPU_JOBS = {
   # no job: with XLA's dot merger kept from merging the three back
   # (`--xla_gpu_dot_merger_threshold_mb=0`) the H200 had not compiled its
   # first step after 170 s, nor after 300 s in a second call. Compiled here
-  # for `--target h200` with the chip's versions (jax 0.11.2) it takes 9 to
-  # 11 s and moves what "dense" moves, in 204 more kernels (four more param
-  # leaves a layer, less the slices and the gradients' packing).
+  # for `--target h200` with the H200's jax and jax-cuda12-plugin (0.11.2)
+  # it takes 9 to 11 s and moves what "dense" moves, in 204 more kernels
+  # (72 more GEMMs and four more param leaves a layer, less the slices and
+  # the gradients' packing).
   "gpt2-qkv-dense": "gpt2.py --no-plain --autocast '' --presets"
   " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense"
   " --xla-flags=--xla_gpu_enable_triton_gemm=false --clocks 100"
