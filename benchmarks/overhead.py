@@ -594,16 +594,18 @@ def kernel_lines(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
 # Counted, the H200's compiled GPT-2 step moved 4.9 GB more than the same
 # step compiled here for the H200; without it the two agree to 0.1 MB.
 _LIBRARY_CALL = re.compile(r'custom_call_target="__(?:cublas|cudnn)')
-_SCRATCH = re.compile(r",\s*(?:/\*index=\d+\*/)?[su]8\[(\d+)\]\{0\}\)$")
 
 
 def _scratch_bytes(op: str, result: str, line: str) -> int:
   """The workspace a cuBLAS or cuDNN custom call's `result` (its shape, as
-  HLO text) holds; 0 for any other instruction."""
+  HLO text) holds: the tuple's last array where it is a flat s8 or u8 one;
+  0 for any other instruction."""
   if op != "custom-call" or not _LIBRARY_CALL.search(line):
     return 0
-  scratch = _SCRATCH.search(result.strip())
-  return int(scratch[1]) if scratch else 0
+  if not result.strip().startswith("("):
+    return 0
+  dtype, dims = _SHAPE.findall(result)[-1]
+  return int(dims) if dtype in ("s8", "u8") and dims.isdigit() else 0
 
 
 def called_computations(line: str) -> list[str]:

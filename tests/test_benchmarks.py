@@ -1012,7 +1012,9 @@ ENTRY %main (x: bf16[4,8], w: bf16[8,4], q: bf16[4,4]) -> bf16[4,4] {
   %n = bf16[4,4]{1,0} get-tuple-element(%none), index=0
   %flat = bf16[4,4]{1,0} custom-call(%n, %n), custom_call_target="__cublas$gemm"
   %mine = (bf16[4,4]{1,0}, u8[100]{0}) custom-call(%flat), custom_call_target="my_op"
-  %r = bf16[4,4]{1,0} get-tuple-element(%mine), index=0
+  %m = bf16[4,4]{1,0} get-tuple-element(%mine), index=0
+  %two = (bf16[4,4]{1,0}, s8[2,3]{1,0}) custom-call(%m), custom_call_target="__cublas$lt$matmul"
+  %r = bf16[4,4]{1,0} get-tuple-element(%two), index=0
   %s = ((bf16[4,4]{1,0}), (bf16[4,4]{1,0}, s8[64]{0})) custom-call-start(%r), custom_call_target="__cublas$lt$matmul"
   ROOT %d = (bf16[4,4]{1,0}, s8[64]{0}) custom-call-done(%s)
 }
@@ -1024,6 +1026,7 @@ ENTRY %main (x: bf16[4,8], w: bf16[8,4], q: bf16[4,4]) -> bf16[4,4] {
     ("custom-call", 32 + 32),  # a workspace of none
     ("custom-call", 32 + 32),  # no tuple: nothing to leave out
     ("custom-call", 32 + 32 + 100),  # not XLA's library call: all counted
+    ("custom-call", 32 + 32 + 6),  # a last array of rank 2 is not scratch
     # The async form is counted as it was, not refused.
     ("custom-call-start", 32 + 32 + 32 + 64),
     ("custom-call-done", (32 + 32 + 64) + (32 + 64)),
