@@ -113,7 +113,8 @@ def parse_args(argv=None):
     choices=gpt_model.GELUS,
     default="tanh",
     help="how the model computes its GELU (gpt_model.GPT's gelu): the same"
-    " function through tanh or through the logistic function",
+    " function through tanh or through the logistic function under a remat,"
+    " or without one where XLA:GPU computes it in fc's GEMM epilogue",
   )
   p.add_argument(
     "--qkv",

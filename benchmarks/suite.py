@@ -215,6 +215,18 @@ GPU_JOBS = {
   " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense"
   " --xla-flags=--xla_gpu_enable_triton_gemm=false --clocks 100"
   " --profile benchmarks/results/traces/gpt2-qkv-dense",
+  # gpt2-qkv-dense with the MLP's GELU where XLA:GPU computes it in fc's
+  # GEMM epilogue (`--gelu epilogue`, gpt_model.gelu_epilogue: no remat, a
+  # backward pass that shares no tanh with the forward one). Compiled for
+  # the H200 here (jax 0.11.2), cuBLASLt's BIAS_GELU_AUX epilogue replaces
+  # each layer's GELU kernel: 12 kernels fewer and 1.2 GB less moved a step
+  # (the matmul's output no longer read back to write the GELU), the same
+  # temporaries. Run in the same call as gpt2-qkv-dense, whose rows are
+  # these without it.
+  "gpt2-gelu-epilogue": "gpt2.py --no-plain --autocast '' --presets"
+  " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense --gelu epilogue"
+  " --xla-flags=--xla_gpu_enable_triton_gemm=false --clocks 100"
+  " --profile benchmarks/results/traces/gpt2-gelu-epilogue",
   "loss-head-gpu": "loss_head.py",
   # One size: on the H200 of 2026-11-27 two recipes took 33 s each to warm
   # up at n = 4096 (the chip's autotuning, it seems: they compile in 3 s for

@@ -34,9 +34,14 @@ CONFIGS = {
 
 # What `GPT(platform=...)` takes: JAX's backend names.
 PLATFORMS = ("cpu", "gpu", "tpu")
-# What `GPT(gelu=...)` takes: two ways to compute GPT-2's GELU, its tanh
-# approximation (`gelu_logistic`).
-GELUS = ("tanh", "logistic")
+# What `GPT(gelu=...)` takes: three ways to compute GPT-2's GELU, its tanh
+# approximation, the same function each:
+# - "tanh": `nn.gelu`, the MLP under a remat that keeps fc's matmul output
+#   (`_fc_gelu`);
+# - "logistic": `gelu_logistic`, under the same remat;
+# - "epilogue": `gelu_epilogue`, no remat: XLA:GPU computes fc's bias add
+#   and the GELU in cuBLASLt's GEMM epilogue.
+GELUS = ("tanh", "logistic", "epilogue")
 # What `GPT(qkv=...)` takes, three layouts of the attention's q, k and v
 # projections, the same function of the same numbers (`qkv_params` maps
 # the params from "packed" to the others):
@@ -86,6 +91,37 @@ def gelu_logistic(x):
   function with a division (BENCHMARKS.md's GPT-2 section counts them)."""
   two_u = 1.5957691216057308 * (x + 0.044715 * x * x * x)
   return x * jax.nn.sigmoid(two_u)
+
+
+@jax.custom_vjp
+def gelu_epilogue(x):
+  """`nn.gelu(x)`, whose backward pass differentiates `gelu_logistic` (the
+  same function) from `x` alone.
+
+  After a `Dense`, XLA:GPU's GEMM rewriter then computes the bias add and the
+  GELU in cuBLASLt's epilogue (`BIAS_GELU_AUX`: the GEMM writes `x` beside
+  the GELU for the backward pass), where "tanh" writes the matmul's output
+  and a kernel of its own reads it to write the GELU. The rewriter matches
+  only `nn.gelu`'s form, with each of its steps used once: differentiating
+  `nn.gelu` itself would share its tanh with the forward pass, which XLA
+  then writes out for the backward pass and leaves out of the epilogue.
+  """
+  return nn.gelu(x)
+
+
+def _gelu_epilogue_fwd(x):
+  return nn.gelu(x), x
+
+
+def _gelu_epilogue_bwd(x, g):
+  # In float32 (XLA:GPU reads and writes the 16-bit arrays either way).
+  (dx,) = jax.vjp(gelu_logistic, x.astype(jnp.float32))[1](
+    g.astype(jnp.float32)
+  )
+  return (dx.astype(x.dtype),)
+
+
+gelu_epilogue.defvjp(_gelu_epilogue_fwd, _gelu_epilogue_bwd)
 
 
 class CausalSelfAttention(nn.Module):
@@ -159,7 +195,10 @@ class Block(nn.Module):
       self.heads, self.fused, self.platform, self.qkv, name="attn"
     )
     x = x + attn(nn.LayerNorm()(x))
-    h = _fc_gelu(self, nn.LayerNorm()(x))
+    if self.gelu == "epilogue":  # no remat: the GEMM keeps the GELU's input
+      h = gelu_epilogue(nn.Dense(4 * d, name="fc")(nn.LayerNorm()(x)))
+    else:
+      h = _fc_gelu(self, nn.LayerNorm()(x))
     return x + nn.Dense(d, name="out")(h)
 
 
@@ -215,7 +254,8 @@ class GPT(nn.Module):
   # backend): "gpu" takes cuDNN's attention for bf16 and fp16.
   platform: str | None = None
   # How the MLP computes its GELU (GELUS): "tanh" as `nn.gelu`, "logistic"
-  # the same function as `gelu_logistic` computes it.
+  # the same function as `gelu_logistic` computes it, "epilogue" as
+  # `gelu_epilogue` (where XLA:GPU puts it in fc's GEMM).
   gelu: str = "tanh"
   # The layout of the attention's q, k and v projections, one of QKVS
   # ("packed" as GPT-2's; `qkv_params` maps the params to the others).
