@@ -112,9 +112,12 @@ def parse_args(argv=None):
     "--gelu",
     choices=gpt_model.GELUS,
     default="tanh",
-    help="how the model computes its GELU (gpt_model.GPT's gelu): the same"
-    " function through tanh or through the logistic function under a remat,"
-    " or without one where XLA:GPU computes it in fc's GEMM epilogue",
+    help="how the model computes its GELU (gpt_model.GPT's gelu), the same"
+    " function each: tanh, nn.gelu under a remat; logistic, through the"
+    " logistic function under the same remat; epilogue, nn.gelu without the"
+    " remat and with a backward pass of its own, which XLA:GPU computes in"
+    " fc's GEMM epilogue where the matmul goes to cuBLAS"
+    " (--xla_gpu_enable_triton_gemm=false; meant for rows without autocast)",
   )
   p.add_argument(
     "--qkv",
@@ -231,8 +234,11 @@ def _run_label(r: dict) -> str:
   and its tag."""
   flags, tag = r.get("xla_flags"), r.get("tag")
   label = r.get("loss", "logits")
-  if r.get("gelu", "tanh") != "tanh":
-    label += f", GELU via {r['gelu']}"
+  gelu = r.get("gelu", "tanh")
+  if gelu == "epilogue":
+    label += ", GELU for fc's epilogue"
+  elif gelu != "tanh":
+    label += f", GELU via {gelu}"
   if r.get("qkv", "packed") != "packed":
     label += f", q/k/v {r['qkv']}"
   label += f"; XLA_FLAGS {flags}" if flags else ""

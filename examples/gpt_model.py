@@ -35,12 +35,17 @@ CONFIGS = {
 # What `GPT(platform=...)` takes: JAX's backend names.
 PLATFORMS = ("cpu", "gpu", "tpu")
 # What `GPT(gelu=...)` takes: three ways to compute GPT-2's GELU, its tanh
-# approximation, the same function each:
+# approximation, the same function each (their gradients round differently
+# in 16-bit floats):
 # - "tanh": `nn.gelu`, the MLP under a remat that keeps fc's matmul output
 #   (`_fc_gelu`);
 # - "logistic": `gelu_logistic`, under the same remat;
-# - "epilogue": `gelu_epilogue`, no remat: XLA:GPU computes fc's bias add
-#   and the GELU in cuBLASLt's GEMM epilogue.
+# - "epilogue": `gelu_epilogue`, no remat. Where fc's matmul goes to cuBLAS
+#   (`--xla_gpu_enable_triton_gemm=false`), XLA:GPU computes its bias add
+#   and the GELU in cuBLASLt's GEMM epilogue. Elsewhere it is `nn.gelu`
+#   with a backward pass of its own, saving as much as "tanh". Meant for
+#   `jmp_train.linen.wrap`'s policies: under `jmp_train.autocast` the bias
+#   add runs in float32, and the GELU's input it keeps is float32 too.
 GELUS = ("tanh", "logistic", "epilogue")
 # What `GPT(qkv=...)` takes, three layouts of the attention's q, k and v
 # projections, the same function of the same numbers (`qkv_params` maps
@@ -96,15 +101,19 @@ def gelu_logistic(x):
 @jax.custom_vjp
 def gelu_epilogue(x):
   """`nn.gelu(x)`, whose backward pass differentiates `gelu_logistic` (the
-  same function) from `x` alone.
+  same function, through the logistic: no tanh) from `x` alone, in float32
+  or wider.
 
-  After a `Dense`, XLA:GPU's GEMM rewriter then computes the bias add and the
-  GELU in cuBLASLt's epilogue (`BIAS_GELU_AUX`: the GEMM writes `x` beside
-  the GELU for the backward pass), where "tanh" writes the matmul's output
-  and a kernel of its own reads it to write the GELU. The rewriter matches
-  only `nn.gelu`'s form, with each of its steps used once: differentiating
-  `nn.gelu` itself would share its tanh with the forward pass, which XLA
-  then writes out for the backward pass and leaves out of the epilogue.
+  After a `Dense` whose matmul goes to cuBLAS, XLA:GPU's GEMM rewriter then
+  computes the bias add and the GELU in cuBLASLt's epilogue
+  (`BIAS_GELU_AUX`: the GEMM writes `x` beside the GELU for the backward
+  pass), where "tanh" writes the matmul's output and a kernel of its own
+  reads it to write the GELU. The rewriter matches only `nn.gelu`'s form,
+  with each of its steps used once: differentiating `nn.gelu` itself would
+  share its tanh with the forward pass, and a tanh with two users is left
+  out of the epilogue. In 16-bit floats its gradient rounds differently
+  from autodiff's of `nn.gelu` (once, not at each step). Forward-mode
+  autodiff (`jax.jvp`, `jax.jacfwd`) is not defined for it: a `custom_vjp`.
   """
   return nn.gelu(x)
 
@@ -114,10 +123,10 @@ def _gelu_epilogue_fwd(x):
 
 
 def _gelu_epilogue_bwd(x, g):
-  # In float32 (XLA:GPU reads and writes the 16-bit arrays either way).
-  (dx,) = jax.vjp(gelu_logistic, x.astype(jnp.float32))[1](
-    g.astype(jnp.float32)
-  )
+  # Computed in float32 (or x's wider float) inside the one fused kernel;
+  # x, g and the result stay 16-bit in memory.
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  (dx,) = jax.vjp(gelu_logistic, x.astype(wide))[1](g.astype(wide))
   return (dx.astype(x.dtype),)
 
 
@@ -255,7 +264,8 @@ class GPT(nn.Module):
   platform: str | None = None
   # How the MLP computes its GELU (GELUS): "tanh" as `nn.gelu`, "logistic"
   # the same function as `gelu_logistic` computes it, "epilogue" as
-  # `gelu_epilogue` (where XLA:GPU puts it in fc's GEMM).
+  # `gelu_epilogue` (where XLA:GPU can put it in fc's GEMM; its gradient
+  # rounds differently in 16-bit floats).
   gelu: str = "tanh"
   # The layout of the attention's q, k and v projections, one of QKVS
   # ("packed" as GPT-2's; `qkv_params` maps the params to the others).
