@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import equations
 from jax.ad_checkpoint import print_saved_residuals
-from jax.extend.core import jaxprs_in_params
 
 import jmp_train
 
@@ -531,12 +531,6 @@ def test_gelu_epilogue_is_nn_gelu_with_a_backward_pass_of_its_own():
   tokens = jnp.arange(9)[None] % gpt_model.VOCAB
   params = gpt_model.GPT(**kwargs).init(jax.random.key(0), tokens[:, :-1])
 
-  def primitives(jaxpr):  # every equation's primitive, inner jaxprs too
-    for eqn in jaxpr.eqns:
-      yield eqn.primitive
-      for sub in jaxprs_in_params(eqn.params):
-        yield from primitives(sub)
-
   def counts(gelu):  # tanh and logistic in the model's gradient
     model = gpt_model.GPT(**kwargs, gelu=gelu)
 
@@ -544,7 +538,7 @@ def test_gelu_epilogue_is_nn_gelu_with_a_backward_pass_of_its_own():
       logits = model.apply(p, tokens[:, :-1])
       return gpt_model.cross_entropy(logits, tokens[:, 1:])
 
-    found = list(primitives(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+    found = [e.primitive for e in equations(jax.grad(loss), params)]
     return found.count(jax.lax.tanh_p), found.count(jax.lax.logistic_p)
 
   assert counts("epilogue") == (2, 2)
@@ -601,16 +595,11 @@ def test_each_qkv_layout_is_the_packed_models_function(qkv, fused_attention):
   # v and the output projection, (32, 32) kernels, or the (32, 96) one.
   mixed = jmp_train.linen.wrap(model, jmp_train.get_preset("bf16-mixed").policy)
 
-  def dots(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general":
-        yield eqn
-      for sub in jaxprs_in_params(eqn.params):
-        yield from dots(sub)
-
-  found = list(
-    dots(jax.make_jaxpr(functools.partial(loss, mixed))(mapped).jaxpr)
-  )
+  found = [
+    e
+    for e in equations(functools.partial(loss, mixed), mapped)
+    if e.primitive.name == "dot_general"
+  ]
   assert all(v.aval.dtype == jnp.bfloat16 for e in found for v in e.invars)
   kernels = [e.invars[1].aval.shape for e in found]
   if qkv == "split":
