@@ -109,6 +109,14 @@ def parse_args(argv=None):
     " (gpt_model.cross_entropy's one_pass)",
   )
   p.add_argument(
+    "--lse-slices",
+    type=int,
+    default=None,
+    help="with --lse one-pass: how many equal parts each row of logits is"
+    " cut in, reduced side by side (gpt_model.cross_entropy's slices; a"
+    " divisor of the vocabulary; default gcd(vocabulary, 128))",
+  )
+  p.add_argument(
     "--gelu",
     choices=gpt_model.GELUS,
     default="tanh",
@@ -195,15 +203,23 @@ def parse_args(argv=None):
         p.error(f"--{flag}: {e}")
   if args.lse == "two-pass" and args.loss == "fused":
     p.error("--lse two-pass is the logits loss's: drop it or --loss fused")
+  if args.lse_slices is not None:
+    if args.lse_slices < 1:
+      p.error(f"--lse-slices must be a positive int, got {args.lse_slices}")
+    if args.lse != "one-pass" or args.loss != "logits":
+      p.error(
+        "--lse-slices cuts the one-pass log-sum-exp's rows: it needs --loss"
+        " logits and --lse one-pass"
+      )
   changed = [
-    f"--{flag} {getattr(args, flag)}"
-    for flag in ("lse", "gelu", "qkv")
+    f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+    for flag in ("lse", "lse_slices", "gelu", "qkv")
     if getattr(args, flag) != p.get_default(flag)
   ]
   if args.torch and changed:
     p.error(
-      f"{', '.join(changed)}: --lse, --gelu and --qkv change the JAX model,"
-      " not the PyTorch twin: drop them or --torch"
+      f"{', '.join(changed)}: --lse, --lse-slices, --gelu and --qkv change"
+      " the JAX model, not the PyTorch twin: drop them or --torch"
     )
   if args.loss == "fused" and args.autocast:
     # Under autocast the fused loss's float32 matmuls trace as float32
@@ -800,7 +816,11 @@ def profile_table(results: dict) -> str:
 def loss_label(args) -> str:
   if args.loss == "fused":
     return f"fused, chunks of {args.loss_chunk} rows"
-  return "logits" if args.lse == "one-pass" else "logits, two-pass LSE"
+  if args.lse == "two-pass":
+    return "logits, two-pass LSE"
+  if args.lse_slices is not None:
+    return f"logits, LSE in {args.lse_slices} slices"
+  return "logits"
 
 
 def model_line(cfg: dict, n_params: int) -> str:
@@ -920,8 +940,9 @@ def main(argv=None):
     if args.loss == "fused":  # the loss off the tied embedding, chunked
       return apply(variables, batch[:, :-1], batch[:, 1:], args.loss_chunk)
     logits = apply(variables, batch[:, :-1])
-    one_pass = args.lse == "one-pass"
-    return gpt_model.cross_entropy(logits, batch[:, 1:], one_pass=one_pass)
+    if args.lse == "two-pass":
+      return gpt_model.cross_entropy(logits, batch[:, 1:], one_pass=False)
+    return gpt_model.cross_entropy(logits, batch[:, 1:], slices=args.lse_slices)
 
   init_variables = jax.jit(
     lambda m: m.init(jax.random.key(0), tokens[:1, :-1]), static_argnums=0

@@ -9,6 +9,10 @@ in float32, computed these ways:
   without targets and `gpt2.py --loss logits` do: the (rows, vocab) logits in
   bfloat16, read in float32 in one pass for their log-sum-exp, and their
   gradient in one more (its backward pass is written out);
+- logits, LSE in n slices (`--lse-slices`): the same with
+  `slices=n`, each row of logits cut in n parts for its one-pass
+  log-sum-exp (`gpt_model.logsumexp_one_pass`; the first variant's rows are
+  cut in gcd(vocabulary, 128));
 - logits, two-pass logsumexp: the same with `one_pass=False`, the
   log-sum-exp of `jax.nn.logsumexp` (its max, then its sum of exponentials:
   two passes over the logits; until 2026-11-27);
@@ -55,8 +59,8 @@ import overhead
 GIB = 2**30
 
 
-def _chunks(text: str) -> list[int]:
-  """`--chunks`: positive ints, comma-separated."""
+def _positive_ints(text: str) -> list[int]:
+  """`--chunks` and `--lse-slices`: positive ints, comma-separated."""
   try:
     chunks = [int(c) for c in text.split(",")]
   except ValueError:
@@ -76,14 +80,26 @@ def parse_args(argv=None):
   p.add_argument("--vocab", type=int, default=50304)
   p.add_argument(
     "--chunks",
-    type=_chunks,
+    type=_positive_ints,
     default="1024,2048,4096,8192",
     help="comma-separated rows per chunk of the fused loss",
+  )
+  p.add_argument(
+    "--lse-slices",
+    type=_positive_ints,
+    default=None,
+    help="comma-separated: for each, the whole logits' loss with its rows"
+    " cut in that many parts for the log-sum-exp (gpt_model.cross_entropy's"
+    " slices; each a divisor of --vocab)",
   )
   p.add_argument("--rounds", type=int, default=10)
   deviceless.add_target_argument(p)
   p.add_argument("--json", default=None)
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  for n in args.lse_slices or []:
+    if args.vocab % n:
+      p.error(f"--lse-slices: {n} does not divide --vocab {args.vocab}")
+  return args
 
 
 def main(argv=None):
@@ -109,8 +125,12 @@ def main(argv=None):
     logits = jnp.dot(x, table.T)
     return gpt_model.cross_entropy(logits, targets, one_pass=False)
 
-  variants = {
-    "logits": logits_loss,
+  variants = {"logits": logits_loss}
+  for n in args.lse_slices or []:
+    variants[f"logits, LSE in {n} slices"] = lambda x, t, y, n=n: (
+      gpt_model.cross_entropy(jnp.dot(x, t.T), y, slices=n)
+    )
+  variants |= {
     "logits, two-pass logsumexp": two_pass_loss,
     "logits, optax's loss": optax_loss,
   }

@@ -227,7 +227,23 @@ GPU_JOBS = {
   " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense --gelu epilogue"
   " --xla-flags=--xla_gpu_enable_triton_gemm=false --clocks 100"
   " --profile benchmarks/results/traces/gpt2-gelu-epilogue",
-  "loss-head-gpu": "loss_head.py",
+  # gpt2-gelu-epilogue's step with the loss's log-sum-exp read in vectors:
+  # each row of logits cut in 24 parts of 2096 values (`--lse-slices 24`,
+  # gpt_model.logsumexp_one_pass) where the default cuts 128 of 393. On the
+  # H200 at 19:36 UTC on 2026-11-27 that kernel (`fwd cross_entropy/reduce`)
+  # took 1.07 ms a step at 1.56 TB/s, the slowest per byte of the step's
+  # large kernels; compiled for the H200 here (jax 0.11.2), its PTX reads
+  # the bfloat16 logits one value at a time, and in parts of 2096 four at a
+  # time (benchmarks/ptx_loads.py). Traced, so that each kernel's time says
+  # what each of the two changes was worth against gpt2-qkv-dense's trace
+  # of the same call.
+  "gpt2-candidate": "gpt2.py --no-plain --autocast '' --presets"
+  " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense --gelu epilogue"
+  " --lse-slices 24 --xla-flags=--xla_gpu_enable_triton_gemm=false"
+  " --clocks 100 --profile benchmarks/results/traces/gpt2-candidate",
+  # The loss layer alone, with the one-pass log-sum-exp's rows cut in 128
+  # parts (the default, first), 96, 24 and 12.
+  "loss-head-gpu": "loss_head.py --lse-slices 96,24,12",
   # One size: on the H200 of 2026-11-27 two recipes took 33 s each to warm
   # up at n = 4096 (the chip's autotuning, it seems: they compile in 3 s for
   # an H100 here), and three sizes ran past the 150 s a job gets. 8192 is
@@ -308,7 +324,7 @@ GPU_QUICK = {
   "gpt2-torch": "gpt2.py --torch --tiny --rounds 1"
   " --profile benchmarks/results/traces/gpt2-torch",
   "loss-head-gpu": "loss_head.py --batch 2 --seq 128 --d-model 64"
-  " --vocab 4096 --chunks 16,64 --rounds 2",
+  " --vocab 4096 --chunks 16,64 --lse-slices 16,4 --rounds 2",
   "gpt2-memory-bf16-mixed": "gpt2_memory.py --tiny --preset bf16-mixed",
   "fp8-matmul": "fp8.py --matmul --sizes 256",
   "overhead-gpu": "overhead.py --batch 256 --steps 3",

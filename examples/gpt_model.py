@@ -311,7 +311,9 @@ class GPT(nn.Module):
     return nn.Dense(self.vocab, name="head")(x)
 
 
-def cross_entropy(logits, targets, *, one_pass: bool = True):
+def cross_entropy(
+  logits, targets, *, one_pass: bool = True, slices: int | None = None
+):
   """The mean cross-entropy of `logits` (..., vocab) at integer `targets`
   (...), computed in float32 whatever the logits' dtype.
 
@@ -325,8 +327,8 @@ def cross_entropy(logits, targets, *, one_pass: bool = True):
   (`benchmarks/loss_head.py --target h100`).
 
   Each row's log-sum-exp is read in one pass over the logits (`one_pass`,
-  `logsumexp_one_pass`); `one_pass=False` takes `jax.nn.logsumexp`'s two,
-  its max then its sum of exponentials.
+  `logsumexp_one_pass`, its rows cut in `slices`); `one_pass=False` takes
+  `jax.nn.logsumexp`'s two, its max then its sum of exponentials.
 
   A negative target counts from the end of the vocabulary, as in optax (and
   NumPy indexing); one outside [-vocab, vocab) gives a NaN loss. Forward-mode
@@ -334,13 +336,21 @@ def cross_entropy(logits, targets, *, one_pass: bool = True):
 
   Raises:
     ValueError: if `targets` is not integer-typed or its shape is not the
-      logits' without their last axis.
+      logits' without their last axis; if `slices` is given with
+      `one_pass=False`, or does not divide the vocabulary.
   """
   targets = _checked_targets(targets, logits.shape[:-1], logits.shape[-1])
+  if not one_pass and slices is not None:
+    raise ValueError(
+      f"slices cuts the one-pass log-sum-exp's rows; got slices={slices!r}"
+      " with one_pass=False, whose passes read whole rows: drop slices"
+    )
+  if one_pass:
+    slices = _checked_slices(slices, logits.shape[-1])
   # Both passes under one name: the compiled HLO's metadata, and so a
   # profile, say which kernels are the loss's.
   with jax.named_scope("cross_entropy"):
-    return _cross_entropy(one_pass, logits, targets)
+    return _cross_entropy(one_pass, slices, logits, targets)
 
 
 def _checked_targets(targets, shape: tuple, vocab: int) -> jax.Array:
@@ -362,7 +372,7 @@ def _checked_targets(targets, shape: tuple, vocab: int) -> jax.Array:
   return jnp.where(targets < 0, targets + vocab, targets)
 
 
-def logsumexp_one_pass(x):
+def logsumexp_one_pass(x, slices: int | None = None):
   """`jax.nn.logsumexp(x, axis=-1)` in float32 (or wider), read in one pass
   over `x`.
 
@@ -370,19 +380,28 @@ def logsumexp_one_pass(x):
   `exp(x - m)`: two partial results `(m1, s1)` and `(m2, s2)` combine to
   `max(m1, m2)` and the sum of the smaller one's `s` times `exp(-|m1 - m2|)`
   and the larger one's `s` (an online softmax's rule, one exponential per
-  value). The row is reduced as up to 128 slices side by side, whose
-  partial results are then combined: one running sum over a whole row of
-  50304 (XLA:CPU's order) lost up to 110 float32 ulps, with a lean to
-  below. `jax.nn.logsumexp` reads `x` twice: its max, then its sum of
+  value). The row is cut in `slices` equal parts reduced side by side,
+  whose partial results are then combined: one running sum over a whole
+  row of 50304 (XLA:CPU's order) lost up to 110 float32 ulps, with a lean
+  to below. `slices` must divide the row's length; None takes
+  `math.gcd(length, 128)`, up to 128 parts with no padding (for GPT-2's
+  50304, 128 of 393). How long a part is decides how XLA:GPU reads it:
+  compiled for an H200, parts of 393 values (an odd number) are read one
+  16-bit value at a time, parts of 524 or 2096 four at a time
+  (BENCHMARKS.md, `benchmarks/ptx_loads.py`).
+  `jax.nn.logsumexp` reads `x` twice: its max, then its sum of
   exponentials. A row of -inf gives -inf, a +inf gives +inf, a NaN NaN.
 
   Not differentiable by itself (a reduction with a combiner of its own):
   `cross_entropy`'s backward pass reads only its value.
+
+  Raises:
+    ValueError: if `slices` is not a positive int that divides the row.
   """
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(dtype)
   n = x.shape[-1]
-  slices = math.gcd(n, 128)  # a split of the row that needs no padding
+  slices = _checked_slices(slices, n)
   x = x.reshape(*x.shape[:-1], slices, n // slices)
 
   def combine(a, b):
@@ -398,11 +417,33 @@ def logsumexp_one_pass(x):
   return m + jnp.log(s)
 
 
-def _lse_and_target(logits, targets, one_pass: bool = True):
+def _checked_slices(slices, n: int) -> int:
+  """`logsumexp_one_pass`'s `slices` for rows of `n`: None as
+  `math.gcd(n, 128)`, else a positive int that divides `n`.
+
+  Raises:
+    ValueError: for anything else, naming the divisors of `n` up to 128.
+  """
+  if slices is None:
+    return math.gcd(n, 128)
+  try:
+    count = operator.index(slices)
+  except TypeError:
+    count = 0
+  if isinstance(slices, bool) or count < 1 or n % count:
+    divisors = ", ".join(str(d) for d in range(1, 129) if n % d == 0)
+    raise ValueError(
+      f"slices must be a positive int that divides the rows' length {n}"
+      f" (its divisors up to 128: {divisors}); got {slices!r}"
+    )
+  return count
+
+
+def _lse_and_target(logits, targets, one_pass: bool = True, slices=None):
   """Each row's log-sum-exp and target logit, in float32."""
   x = logits.astype(jnp.float32)
   if one_pass:
-    lse = logsumexp_one_pass(x)
+    lse = logsumexp_one_pass(x, slices)
   else:
     lse = jax.nn.logsumexp(x, axis=-1)
   return lse, jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
@@ -415,18 +456,18 @@ def _softmax_minus_one_hot(logits, lse, targets):
   return probs - (jnp.arange(logits.shape[-1]) == targets[..., None])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cross_entropy(one_pass, logits, targets):
-  return _cross_entropy_fwd(one_pass, logits, targets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cross_entropy(one_pass, slices, logits, targets):
+  return _cross_entropy_fwd(one_pass, slices, logits, targets)[0]
 
 
-def _cross_entropy_fwd(one_pass, logits, targets):
-  lse, target = _lse_and_target(logits, targets, one_pass)
+def _cross_entropy_fwd(one_pass, slices, logits, targets):
+  lse, target = _lse_and_target(logits, targets, one_pass, slices)
   return jnp.mean(lse - target), (logits, targets, lse)
 
 
-def _cross_entropy_bwd(one_pass, res, g):
-  del one_pass  # the backward pass reads the saved log-sum-exp
+def _cross_entropy_bwd(one_pass, slices, res, g):
+  del one_pass, slices  # the backward pass reads the saved log-sum-exp
   logits, targets, lse = res
   d_logits = _softmax_minus_one_hot(logits, lse, targets) * (g / lse.size)
   return d_logits.astype(logits.dtype), None

@@ -36,6 +36,7 @@ import loss_head
 import md
 import memory_table
 import overhead
+import ptx_loads
 import rounding_memory
 import suite
 import timing
@@ -97,7 +98,23 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (
       gpt2.parse_args,
       ["--torch", "--gelu", "logistic"],
-      "--gelu logistic: --lse, --gelu and --qkv change the JAX model",
+      "--gelu logistic: --lse, --lse-slices, --gelu and --qkv change the",
+    ),
+    (
+      gpt2.parse_args,
+      ["--torch", "--lse-slices", "24"],
+      "--lse-slices 24: --lse, --lse-slices, --gelu and --qkv change the",
+    ),
+    (gpt2.parse_args, ["--lse-slices", "0"], "must be a positive int, got 0"),
+    (
+      gpt2.parse_args,
+      ["--lse", "two-pass", "--lse-slices", "24"],
+      "it needs --loss logits and --lse one-pass",
+    ),
+    (
+      gpt2.parse_args,
+      ["--loss", "fused", "--lse-slices", "24"],
+      "it needs --loss logits and --lse one-pass",
     ),
     (gpt2.parse_args, ["--gelu", "erf"], "invalid choice: 'erf'"),
     (gpt2.parse_args, ["--torch", "--qkv", "dense"], "--qkv dense: --lse"),
@@ -106,6 +123,8 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),
     (loss_head.parse_args, ["--chunks", "64,0"], "'64,0' is not a comma"),
     (loss_head.parse_args, ["--chunks", "64,x"], "'64,x' is not a comma"),
+    (loss_head.parse_args, ["--lse-slices", "24,5"], "5 does not divide"),
+    (loss_head.parse_args, ["--lse-slices", "0"], "'0' is not a comma"),
   ):
     with pytest.raises(SystemExit):
       parse(argv)
@@ -651,9 +670,9 @@ def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
     calls["qkv"].add(self.qkv)
     return attention_call(self, x)
 
-  def recorded_loss(logits, targets, *, one_pass=True):
+  def recorded_loss(logits, targets, *, one_pass=True, slices=None):
     calls["one_pass"].add(one_pass)
-    return cross_entropy(logits, targets, one_pass=one_pass)
+    return cross_entropy(logits, targets, one_pass=one_pass, slices=slices)
 
   def recorded_gelu(x):
     calls["logistic"] += 1
@@ -734,6 +753,140 @@ def test_gpt2_kernels_counts_the_finite_checks_reductions(capsys):
   assert "rows" not in result and gpt2.table({"k": result}).startswith(
     "Not measured"
   )
+
+
+def test_gpt2_lse_slices_reach_the_loss_and_name_the_run(monkeypatch):
+  # --lse-slices N: the one-pass log-sum-exp's rows cut in N parts, in every
+  # step compiled, and said in the run's loss label.
+  cross_entropy, seen = gpt_model.cross_entropy, set()
+
+  def recorded_loss(logits, targets, *, one_pass=True, slices=None):
+    seen.add((one_pass, slices))
+    return cross_entropy(logits, targets, one_pass=one_pass, slices=slices)
+
+  monkeypatch.setattr(gpt_model, "cross_entropy", recorded_loss)
+  result = gpt2.main(
+    [
+      *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--no-plain"),
+      *("--autocast", "", "--kernels", "--lse-slices", "4"),
+    ]
+  )
+  assert seen == {(True, 4)}
+  assert result["loss"] == "logits, LSE in 4 slices"
+  seen.clear()
+  gpt2.main(
+    [
+      "--tiny",
+      "--presets",
+      "bf16-mixed",
+      "--batch",
+      "2",
+      "--no-plain",
+      "--autocast",
+      "",
+      "--kernels",
+    ]
+  )
+  assert seen == {(True, None)}  # the default: gcd(vocabulary, 128)
+
+
+def test_ptx_loads_reads_each_kernels_loads_by_width(tmp_path, capsys):
+  # Written HLO and PTX, as an XLA dump holds them: two fusions of one body
+  # (one kernel, named after the first), a cast, and a library call with no
+  # PTX of XLA's own; a second module the --module filter leaves out.
+  meta = 'metadata={op_name="jit(step)/jvp(cross_entropy)/reduce"}'
+  hlo = "\n".join(
+    [
+      "HloModule jit_step, is_scheduled=true",
+      "%add (a: f32[], b: f32[]) -> f32[] {",
+      "  %a = f32[] parameter(0)",
+      "  %b = f32[] parameter(1)",
+      "  ROOT %s = f32[] add(f32[] %a, f32[] %b)",
+      "}",
+      "%fused_a (p.1: bf16[8,128]) -> f32[8] {",
+      "  %p.1 = bf16[8,128]{1,0} parameter(0)",
+      "  %c.1 = f32[8,128]{1,0} convert(bf16[8,128]{1,0} %p.1)",
+      "  %z.1 = f32[] constant(0)",
+      "  ROOT %r.1 = f32[8]{0} reduce(f32[8,128]{1,0} %c.1, f32[] %z.1),"
+      " dimensions={1}, to_apply=%add",
+      "}",
+      "%fused_b (p.2: bf16[8,128]) -> f32[8] {",
+      "  %p.2 = bf16[8,128]{1,0} parameter(0)",
+      "  %c.2 = f32[8,128]{1,0} convert(bf16[8,128]{1,0} %p.2)",
+      "  %z.2 = f32[] constant(0)",
+      "  ROOT %r.2 = f32[8]{0} reduce(f32[8,128]{1,0} %c.2, f32[] %z.2),"
+      " dimensions={1}, to_apply=%add",
+      "}",
+      "%fused_c (p.3: f32[8,128]) -> bf16[8,128] {",
+      "  %p.3 = f32[8,128]{1,0} parameter(0)",
+      "  ROOT %c.3 = bf16[8,128]{1,0} convert(f32[8,128]{1,0} %p.3)",
+      "}",
+      "ENTRY %main (x: bf16[8,128], y: bf16[8,128], w: f32[8,128]) -> f32[8] {",
+      "  %x = bf16[8,128]{1,0} parameter(0)",
+      "  %y = bf16[8,128]{1,0} parameter(1)",
+      "  %w = f32[8,128]{1,0} parameter(2)",
+      "  %input_reduce_fusion = f32[8]{0} fusion(bf16[8,128]{1,0} %x),"
+      f" kind=kInput, calls=%fused_a, {meta}",
+      "  %input_reduce_fusion.1 = f32[8]{0} fusion(bf16[8,128]{1,0} %y),"
+      f" kind=kInput, calls=%fused_b, {meta}",
+      "  %loop_convert_fusion = bf16[8,128]{1,0} fusion(f32[8,128]{1,0} %w),"
+      " kind=kLoop, calls=%fused_c,"
+      ' metadata={op_name="jit(step)/transpose(jvp(GPT))/convert_element_type"}',
+      "  %gemm = (bf16[8,8]{1,0}, s8[4]{0}) custom-call(bf16[8,128]{1,0}"
+      " %loop_convert_fusion, bf16[8,128]{1,0} %x), custom_call_target="
+      '"__cublas$lt$matmul"',
+      "  ROOT %out = f32[8]{0} add(f32[8]{0} %input_reduce_fusion,"
+      " f32[8]{0} %input_reduce_fusion.1)",
+      "}",
+    ]
+  )
+  ptx = """
+.visible .entry input_reduce_fusion(
+  .param .u64 input_reduce_fusion_param_0
+)
+{
+  ld.global.nc.b16 %rs1, [%rd1];
+  ld.global.nc.b16 %rs2, [%rd1+2];
+  ld.global.nc.b16 %rs3, [%rd1+4];
+  st.global.b32 [%rd2], %f1;
+}
+.visible .entry loop_convert_fusion(
+  .param .u64 loop_convert_fusion_param_0
+)
+{
+  ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];
+  st.global.v2.b32 [%rd2], {%r5, %r6};
+  ld.shared.b16 %rs9, [%rd3];
+}
+"""
+  suffix = ".sm_9.0a_gpu_after_optimizations.txt"
+  (tmp_path / f"module_0001.jit_step{suffix}").write_text(hlo)
+  (tmp_path / "module_0001.jit_step.2.ptx").write_text(ptx)
+  (tmp_path / f"module_0002.jit_lambda{suffix}").write_text(hlo)
+  found = ptx_loads.main([str(tmp_path)])
+  assert list(found) == ["module_0001.jit_step"]
+  convert, reduce = found["module_0001.jit_step"]  # most bytes first
+  assert reduce == {
+    "label": "fwd cross_entropy/reduce",
+    "kernel": "input_reduce_fusion",
+    "launches": 2,
+    "mbytes": 2 * (8 * 128 * 2 + 8 * 4) / 1e6,
+    "loads": "3 b16",
+    "stores": "1 b32",
+  }
+  assert convert["launches"] == 1 and convert["kernel"] == "loop_convert_fusion"
+  assert convert["mbytes"] == 8 * 128 * (4 + 2) / 1e6
+  assert (convert["loads"], convert["stores"]) == ("1 v4.b32", "1 v2.b32")
+  assert convert["label"] == "bwd GPT/convert_element_type"
+  out = capsys.readouterr().out
+  assert "| fwd cross_entropy/reduce | 2 | 0 | 3 b16 | 1 b32 |" in out
+  # Loads and stores of one kernel, vector widths apart from single ones.
+  both = ptx_loads.accesses(ptx + ptx.replace("input_reduce", "other"))
+  assert both["other_fusion"] == both["input_reduce_fusion"]
+  assert ptx_loads.accesses("no kernels here") == {}
+  with pytest.raises(SystemExit):
+    ptx_loads.main([str(tmp_path), "--module", "jit_train"])
+  assert "no module of" in capsys.readouterr().err
 
 
 def test_count_reductions_counts_kernels_as_kernel_list_does():
@@ -846,11 +999,18 @@ def test_torch_side_by_side_verdicts_come_from_tokens_per_s():
   assert "as many steps per wait to compare" in alone
 
 
-def test_loss_head_reads_xla_temporaries_of_both_losses():
+def test_loss_head_reads_xla_temporaries_of_both_losses(monkeypatch):
+  cross_entropy, slices = gpt_model.cross_entropy, []
+
+  def recorded_loss(logits, targets, **kwargs):
+    slices.append(kwargs.get("slices"))
+    return cross_entropy(logits, targets, **kwargs)
+
+  monkeypatch.setattr(gpt_model, "cross_entropy", recorded_loss)
   result = loss_head.main(
     [
       *("--batch", "2", "--seq", "128", "--d-model", "64"),
-      *("--vocab", "4096", "--chunks", "16,64"),
+      *("--vocab", "4096", "--chunks", "16,64", "--lse-slices", "16"),
     ]
   )
   rows = {r["variant"]: r for r in result["rows"]}
@@ -859,6 +1019,7 @@ def test_loss_head_reads_xla_temporaries_of_both_losses():
   two_pass = "logits, two-pass logsumexp"
   assert list(temps) == [
     "logits",
+    "logits, LSE in 16 slices",
     two_pass,
     optax_loss,
     "fused (chunk 16)",
@@ -873,6 +1034,9 @@ def test_loss_head_reads_xla_temporaries_of_both_losses():
   # The one-pass log-sum-exp reads the logits once where the two-pass one
   # reads them twice.
   assert 0 < rows["logits"]["mbytes"] < rows[two_pass]["mbytes"]
+  # --lse-slices 16: its row's loss cuts the rows in 16 parts, the others in
+  # the default's (gcd(4096, 128) = 128, None).
+  assert slices == [None, 16, None]
   # A loop's kernels would be counted once, not per chunk: left out.
   assert rows["fused (chunk 16)"]["mbytes"] is None
   assert "ms" not in result["rows"][0]  # CPU: not run, not timed
