@@ -170,7 +170,7 @@ _DEFINES = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
 def _canonical(lines: list[str]) -> list[str]:
   """A computation's lines, metadata left out, each value named by its place
   (`%v0`, `%v1`, ...) and the computations they call as `%c` (their own
-  lines follow in `_body_key`)."""
+  lines follow in `body_key`)."""
   lines = [re.sub(r",\s*metadata=\{[^}]*\}", "", x) for x in lines]
   place = {}
   for x in lines:
@@ -185,7 +185,7 @@ def _canonical(lines: list[str]) -> list[str]:
   return [x.strip() for x in out]
 
 
-def _body_key(line: str, comps: dict) -> tuple[str, str] | None:
+def body_key(line: str, comps: dict) -> tuple[str, str] | None:
   """What XLA:GPU's kernel reuse compares of a fusion, as near as its text
   says: the result's shape and the fused computations (`_canonical`), so
   that two bodies match where they compute the same from the same operands.
@@ -230,7 +230,7 @@ def hlo_index(hlo_text: str) -> tuple[dict, dict, dict]:
       holders[name] = found
       continue
     by_hlo[name] = found
-    shared.setdefault(_body_key(line, comps) or name, []).append(name)
+    shared.setdefault(body_key(line, comps) or name, []).append(name)
   by_kernel = {}
   for names in shared.values():
     merged = merged_label([by_hlo[n][1] for n in names])

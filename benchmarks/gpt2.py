@@ -204,8 +204,12 @@ def parse_args(argv=None):
   if args.lse == "two-pass" and args.loss == "fused":
     p.error("--lse two-pass is the logits loss's: drop it or --loss fused")
   if args.lse_slices is not None:
-    if args.lse_slices < 1:
-      p.error(f"--lse-slices must be a positive int, got {args.lse_slices}")
+    vocab = config(args.tiny)["vocab"]
+    if args.lse_slices < 1 or vocab % args.lse_slices:
+      p.error(
+        f"--lse-slices must be a positive int that divides the vocabulary,"
+        f" {vocab}; got {args.lse_slices}"
+      )
     if args.lse != "one-pass" or args.loss != "logits":
       p.error(
         "--lse-slices cuts the one-pass log-sum-exp's rows: it needs --loss"

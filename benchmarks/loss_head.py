@@ -37,6 +37,7 @@ compiles for that GPU on a machine without one (`benchmarks/deviceless.py`).
 """
 
 import argparse
+import functools
 import pathlib
 import re
 import statistics
@@ -62,14 +63,14 @@ GIB = 2**30
 def _positive_ints(text: str) -> list[int]:
   """`--chunks` and `--lse-slices`: positive ints, comma-separated."""
   try:
-    chunks = [int(c) for c in text.split(",")]
+    values = [int(c) for c in text.split(",")]
   except ValueError:
-    chunks = []
-  if not chunks or min(chunks) < 1:
+    values = []
+  if not values or min(values) < 1:
     raise argparse.ArgumentTypeError(
       f"{text!r} is not a comma-separated list of positive ints"
     )
-  return chunks
+  return values
 
 
 def parse_args(argv=None):
@@ -98,7 +99,10 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   for n in args.lse_slices or []:
     if args.vocab % n:
-      p.error(f"--lse-slices: {n} does not divide --vocab {args.vocab}")
+      p.error(
+        f"--lse-slices: {n} does not divide --vocab {args.vocab}; each must"
+        " (gpt_model.cross_entropy's slices)"
+      )
   return args
 
 
@@ -126,10 +130,12 @@ def main(argv=None):
     return gpt_model.cross_entropy(logits, targets, one_pass=False)
 
   variants = {"logits": logits_loss}
+
+  def sliced_loss(slices, x, table, targets):
+    return gpt_model.cross_entropy(jnp.dot(x, table.T), targets, slices=slices)
+
   for n in args.lse_slices or []:
-    variants[f"logits, LSE in {n} slices"] = lambda x, t, y, n=n: (
-      gpt_model.cross_entropy(jnp.dot(x, t.T), y, slices=n)
-    )
+    variants[f"logits, LSE in {n} slices"] = functools.partial(sliced_loss, n)
   variants |= {
     "logits, two-pass logsumexp": two_pass_loss,
     "logits, optax's loss": optax_loss,

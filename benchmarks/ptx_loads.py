@@ -4,9 +4,10 @@ stores by width, from the PTX an XLA dump holds, beside the bytes it moves.
 A kernel that reads bfloat16 one value at a time (`ld.global.b16`) issues
 four load instructions where one that reads four at once (`ld.global.v4.b16`)
 issues one; on the H200 the log-sum-exp of GPT-2's logits, read so, moved
-1.6 TB/s where its other large kernels moved 3 to 4. The PTX says which
-kernels read so without a chip: compile for a target on a machine without
-one (`benchmarks/deviceless.py`) with the dump on,
+1.56 TB/s, where the slices of q, k and v, read in vectors, moved 3.99 (the
+GELU's kernels, also read in vectors, 2.1 to 2.4: their arithmetic). The
+PTX says which kernels read so without a chip: compile for a target on a
+machine without one (`benchmarks/deviceless.py`) with the dump on,
 
   gpt2.py --kernels --target h200 ... \\
     --xla-flags="--xla_dump_to=DIR --xla_dump_emitter_re=.*"
@@ -24,8 +25,12 @@ launches a call makes, the megabytes they move per call (their operands and
 results, `overhead.kernel_lines`: an upper bound where a kernel reads a
 slice or gathers), and the global load and store instructions of their
 kernel's PTX by width (`b16` one 16-bit value, `v4.b16` four, `v2.b32` two
-32-bit ones), as the code reads, not as often as it runs. A kernel XLA did
-not write as PTX of its own (a library call, a Triton GEMM) is not listed.
+32-bit ones), as the code reads, not as often as it runs; its atomic
+reductions to global memory (`red`, `atom`) count with the stores. An
+entry's PTX runs to the next `.entry` or `.func`: what a device function
+it calls reads is not counted (XLA's fusion kernels inline theirs). A kernel
+XLA did not write as PTX of its own (a library call, a Triton GEMM) is not
+listed.
 """
 
 import argparse
@@ -37,10 +42,14 @@ import device_time
 import md
 import overhead
 
-# A PTX global load or store and its modifiers: `ld.global.nc.v4.b16`.
-_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)+)")
+# A PTX global load, store or atomic and its modifiers:
+# `ld.global.nc.v4.b16`, `red.global.add.f32`.
+_ACCESS = re.compile(r"\b(ld|st|red|atom)\.global((?:\.[\w:]+)+)")
 _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(")
-_HLO_SUFFIX = ".sm_9.0a_gpu_after_optimizations.txt"
+_FUNCTION = re.compile(r"\.(?:entry|func)\s")
+# The optimized HLO of a module as XLA:GPU dumps it: `<module>.sm_9.0a_gpu_
+# after_optimizations.txt` for a Hopper target.
+_HLO = re.compile(r"^(.+)\.sm_[\w.]+_gpu_after_optimizations\.txt$")
 
 
 def accesses(ptx: str) -> dict[str, collections.Counter]:
@@ -48,15 +57,17 @@ def accesses(ptx: str) -> dict[str, collections.Counter]:
   Counter of (`ld` or `st`, width), the width as PTX spells it: a type
   (`b16`), after its vector size where it has one (`v4.b16`)."""
   found = {}
-  entries = list(_ENTRY.finditer(ptx))
-  ends = [m.start() for m in entries[1:]] + [len(ptx)] * bool(entries)
-  for entry, end in zip(entries, ends, strict=True):
+  starts = [m.start() for m in _FUNCTION.finditer(ptx)] + [len(ptx)]
+  for entry in _ENTRY.finditer(ptx):
+    end = min(x for x in starts if x > entry.start())
     count = collections.Counter()
     for kind, modifiers in _ACCESS.findall(ptx[entry.start() : end]):
       parts = modifiers.strip(".").split(".")
       vector = [p for p in parts if re.fullmatch(r"v\d+", p)]
-      dtype = parts[-1]
-      count[kind, ".".join([*vector, dtype])] += 1
+      width = ".".join([*vector, parts[-1]])
+      if kind in ("red", "atom"):  # with the stores, as what it does
+        kind, width = "st", f"{kind}.{parts[-2]}.{parts[-1]}"
+      count[kind, width] += 1
     found[entry[1]] = count
   return found
 
@@ -70,7 +81,7 @@ def _widths(count: collections.Counter, kind: str) -> str:
 
 def kernels(hlo_text: str, ptx: dict[str, collections.Counter]) -> list[dict]:
   """The fusions of a compiled module grouped by the kernel XLA:GPU
-  compiled for them (`device_time._body_key`), each group whose kernel is
+  compiled for them (`device_time.body_key`), each group whose kernel is
   in `ptx` (`accesses` of the module's PTX) as a dict: its label, kernel
   name, launches and megabytes moved per call, loads and stores (text,
   `_widths`); most megabytes first."""
@@ -80,7 +91,7 @@ def kernels(hlo_text: str, ptx: dict[str, collections.Counter]) -> list[dict]:
     if op != "fusion":
       continue
     name = line.split("=", 1)[0].split()[-1].lstrip("%")
-    key = device_time._body_key(line, comps) or name
+    key = device_time.body_key(line, comps) or name
     groups.setdefault(key, []).append((name, line, size))
   rows = []
   for members in groups.values():
@@ -108,10 +119,11 @@ def read_dump(folder, module: str) -> dict[str, list[dict]]:
   `module`, by the module's file prefix (`module_0711.jit_step`)."""
   folder = pathlib.Path(folder)
   out = {}
-  for hlo in sorted(folder.glob(f"*{_HLO_SUFFIX}")):
-    prefix = hlo.name[: -len(_HLO_SUFFIX)]
-    if module not in prefix:
+  for hlo in sorted(folder.iterdir()):
+    name = _HLO.match(hlo.name)
+    if not name or module not in name[1]:
       continue
+    prefix = name[1]
     ptx = {}
     for f in sorted(folder.glob(f"{prefix}.*.ptx")):
       ptx |= accesses(f.read_text())
@@ -132,8 +144,8 @@ def table(rows: list[dict], top: int) -> str:
     ]
     for r in rows[:top]
   ]
-  header = ["where", "launches", "MB moved", "global loads (PTX)"]
-  return md.table(header + ["stores", "kernel"], cells)
+  header = ["where", "launches", "MB moved", "global loads (PTX)", "stores"]
+  return md.table([*header, "kernel"], cells)
 
 
 def main(argv=None) -> dict[str, list[dict]]:
@@ -146,15 +158,20 @@ def main(argv=None) -> dict[str, list[dict]]:
   )
   p.add_argument("--top", type=int, default=25)
   args = p.parse_args(argv)
+  if not pathlib.Path(args.dump).is_dir():
+    p.error(f"{args.dump} is not a folder (the one of --xla_dump_to)")
   found = read_dump(args.dump, args.module)
   if not found:
     p.error(
       f"no module of {args.dump} holds {args.module!r} (looked for"
-      f" *{_HLO_SUFFIX})"
+      " <module>.sm_*_gpu_after_optimizations.txt)"
     )
   for prefix, rows in found.items():
     if not rows:
-      print(f"{prefix}: no PTX of XLA's own kernels in the dump")
+      print(
+        f"{prefix}: no PTX of XLA's own kernels in the dump (jax 0.11 writes"
+        " it only with --xla_dump_emitter_re=.* beside --xla_dump_to)"
+      )
       continue
     print(f"{prefix}:\n\n{table(rows, args.top)}\n")
   return found

@@ -386,9 +386,9 @@ def logsumexp_one_pass(x, slices: int | None = None):
   to below. `slices` must divide the row's length; None takes
   `math.gcd(length, 128)`, up to 128 parts with no padding (for GPT-2's
   50304, 128 of 393). How long a part is decides how XLA:GPU reads it:
-  compiled for an H200, parts of 393 values (an odd number) are read one
-  16-bit value at a time, parts of 524 or 2096 four at a time
-  (BENCHMARKS.md, `benchmarks/ptx_loads.py`).
+  bfloat16 logits compiled for an H200 (jax 0.10.2 and 0.11.2), parts of
+  393 values (an odd number) are read one value at a time, parts of 524 or
+  2096 four at a time (BENCHMARKS.md, `benchmarks/ptx_loads.py`).
   `jax.nn.logsumexp` reads `x` twice: its max, then its sum of
   exponentials. A row of -inf gives -inf, a +inf gives +inf, a NaN NaN.
 
@@ -433,8 +433,8 @@ def _checked_slices(slices, n: int) -> int:
   if isinstance(slices, bool) or count < 1 or n % count:
     divisors = ", ".join(str(d) for d in range(1, 129) if n % d == 0)
     raise ValueError(
-      f"slices must be a positive int that divides the rows' length {n}"
-      f" (its divisors up to 128: {divisors}); got {slices!r}"
+      f"slices must be a positive Python int that divides the rows' length"
+      f" {n} (its divisors up to 128: {divisors}); got {slices!r}"
     )
   return count
 

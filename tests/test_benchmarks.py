@@ -105,7 +105,9 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
       ["--torch", "--lse-slices", "24"],
       "--lse-slices 24: --lse, --lse-slices, --gelu and --qkv change the",
     ),
-    (gpt2.parse_args, ["--lse-slices", "0"], "must be a positive int, got 0"),
+    (gpt2.parse_args, ["--lse-slices", "0"], "vocabulary, 50304; got 0"),
+    (gpt2.parse_args, ["--lse-slices", "25"], "vocabulary, 50304; got 25"),
+    (gpt2.parse_args, ["--tiny", "--lse-slices", "3"], "vocabulary, 128; got"),
     (
       gpt2.parse_args,
       ["--lse", "two-pass", "--lse-slices", "24"],
@@ -858,6 +860,19 @@ def test_ptx_loads_reads_each_kernels_loads_by_width(tmp_path, capsys):
   st.global.v2.b32 [%rd2], {%r5, %r6};
   ld.shared.b16 %rs9, [%rd3];
 }
+.func helper(.param .u64 p)
+{
+  ld.global.b32 %r7, [%rd4];
+}
+.entry other
+(
+  .param .u64 other_param_0
+)
+{
+  ld.global.nc.L1::no_allocate.v4.b16 {%rs1, %rs2, %rs3, %rs4}, [%rd1];
+  @%p1 ld.global.nc.L1::no_allocate.v4.b16 {%rs5, %rs6, %rs7, %rs8}, [%rd2];
+  red.global.add.f32 [%rd3], %f1;
+}
 """
   suffix = ".sm_9.0a_gpu_after_optimizations.txt"
   (tmp_path / f"module_0001.jit_step{suffix}").write_text(hlo)
@@ -880,13 +895,25 @@ def test_ptx_loads_reads_each_kernels_loads_by_width(tmp_path, capsys):
   assert convert["label"] == "bwd GPT/convert_element_type"
   out = capsys.readouterr().out
   assert "| fwd cross_entropy/reduce | 2 | 0 | 3 b16 | 1 b32 |" in out
-  # Loads and stores of one kernel, vector widths apart from single ones.
-  both = ptx_loads.accesses(ptx + ptx.replace("input_reduce", "other"))
-  assert both["other_fusion"] == both["input_reduce_fusion"]
+  # A bare `.entry`, cache modifiers and a predicate: loads by width; an
+  # atomic reduction with the stores; a `.func` not counted in the entry
+  # before it.
+  each = ptx_loads.accesses(ptx)
+  assert each["other"] == {("ld", "v4.b16"): 2, ("st", "red.add.f32"): 1}
+  assert each["loop_convert_fusion"] == {
+    ("ld", "v4.b32"): 1,
+    ("st", "v2.b32"): 1,
+  }
   assert ptx_loads.accesses("no kernels here") == {}
   with pytest.raises(SystemExit):
     ptx_loads.main([str(tmp_path), "--module", "jit_train"])
   assert "no module of" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    ptx_loads.main([str(tmp_path / "missing")])
+  assert "is not a folder" in capsys.readouterr().err
+  (tmp_path / "module_0001.jit_step.2.ptx").unlink()  # jax 0.11, no flag
+  ptx_loads.main([str(tmp_path)])
+  assert "--xla_dump_emitter_re" in capsys.readouterr().out
 
 
 def test_count_reductions_counts_kernels_as_kernel_list_does():
@@ -1010,7 +1037,7 @@ def test_loss_head_reads_xla_temporaries_of_both_losses(monkeypatch):
   result = loss_head.main(
     [
       *("--batch", "2", "--seq", "128", "--d-model", "64"),
-      *("--vocab", "4096", "--chunks", "16,64", "--lse-slices", "16"),
+      *("--vocab", "4096", "--chunks", "16,64", "--lse-slices", "16,4"),
     ]
   )
   rows = {r["variant"]: r for r in result["rows"]}
@@ -1020,6 +1047,7 @@ def test_loss_head_reads_xla_temporaries_of_both_losses(monkeypatch):
   assert list(temps) == [
     "logits",
     "logits, LSE in 16 slices",
+    "logits, LSE in 4 slices",
     two_pass,
     optax_loss,
     "fused (chunk 16)",
@@ -1034,9 +1062,9 @@ def test_loss_head_reads_xla_temporaries_of_both_losses(monkeypatch):
   # The one-pass log-sum-exp reads the logits once where the two-pass one
   # reads them twice.
   assert 0 < rows["logits"]["mbytes"] < rows[two_pass]["mbytes"]
-  # --lse-slices 16: its row's loss cuts the rows in 16 parts, the others in
-  # the default's (gcd(4096, 128) = 128, None).
-  assert slices == [None, 16, None]
+  # --lse-slices 16,4: those rows' losses cut the rows in 16 and 4 parts,
+  # the others in the default's (gcd(4096, 128) = 128, None).
+  assert slices == [None, 16, 4, None]
   # A loop's kernels would be counted once, not per chunk: left out.
   assert rows["fused (chunk 16)"]["mbytes"] is None
   assert "ms" not in result["rows"][0]  # CPU: not run, not timed

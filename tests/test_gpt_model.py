@@ -189,16 +189,19 @@ def test_one_pass_logsumexp_in_any_slices_equals_float64_numpy(slices):
   with np.errstate(invalid="ignore", divide="ignore"):
     m = rows.astype(np.float64).max(-1, keepdims=True)
     want = np.log(np.exp(rows - m).sum(-1)) + m[:, 0]
-  f = jax.jit(gpt_model.logsumexp_one_pass, static_argnums=1)
-  got = np.asarray(f(jnp.asarray(rows), slices), np.float64)
   rtol = 110 * 2.0**-23 if slices == 1 else 3e-7
-  np.testing.assert_allclose(got, want, rtol=rtol, atol=0)
   odd = np.zeros((3, 96), np.float32)
   odd[0, 5], odd[1, 70], odd[2] = -np.inf, np.inf, -np.inf
   odd[2, 95] = np.nan
-  got = np.asarray(f(jnp.asarray(odd), math.gcd(slices, 96)))
-  np.testing.assert_allclose(got[0], np.log(95.0), rtol=3e-7)
-  assert got[1] == np.inf and np.isnan(got[2])
+  for f in (
+    gpt_model.logsumexp_one_pass,
+    jax.jit(gpt_model.logsumexp_one_pass, static_argnums=1),
+  ):
+    got = np.asarray(f(jnp.asarray(rows), slices), np.float64)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=0)
+    got = np.asarray(f(jnp.asarray(odd), math.gcd(slices, 96)))
+    np.testing.assert_allclose(got[0], np.log(95.0), rtol=3e-7)
+    assert got[1] == np.inf and np.isnan(got[2])
 
 
 def test_slices_that_do_not_cut_the_row_evenly_are_refused():
@@ -207,25 +210,40 @@ def test_slices_that_do_not_cut_the_row_evenly_are_refused():
   divisors it could be; the one-pass loss in slices equals the default's."""
   x = jnp.zeros((2, 300), jnp.float32)
   for bad in (7, 0, -4, True, 2.0, "4", 600):
-    with pytest.raises(ValueError, match=r"slices must be a positive int"):
+    with pytest.raises(
+      ValueError, match=r"slices must be a positive Python int"
+    ):
       gpt_model.logsumexp_one_pass(x, bad)
   with pytest.raises(ValueError, match=r"up to 128: 1, 2, 3, 4, 5, 6, 10,"):
     gpt_model.logsumexp_one_pass(x, 7)
   targets = jnp.zeros((2,), jnp.int32)
   with pytest.raises(ValueError, match="slices=4 with one_pass=False"):
     gpt_model.cross_entropy(x, targets, one_pass=False, slices=4)
-  with pytest.raises(ValueError, match="slices must be a positive int"):
+  with pytest.raises(ValueError, match="slices must be a positive Python int"):
     gpt_model.cross_entropy(x, targets, slices=7)
   rng = np.random.default_rng(8)
   logits = jnp.asarray(rng.normal(size=(4, 300)) * 5, jnp.float32)
   targets = jnp.asarray(rng.integers(0, 300, 4))
   want = logits_reference(np.asarray(logits, np.float64), np.asarray(targets))
-  for slices in (None, 1, 30, 300):
-    value, grad = jax.value_and_grad(
-      lambda z, n=slices: gpt_model.cross_entropy(z, targets, slices=n)
-    )(logits)
+  for slices, part in ((None, 75), (1, 300), (30, 10), (300, 1)):
+    loss = jax.jit(
+      jax.value_and_grad(
+        lambda z, n=slices: gpt_model.cross_entropy(z, targets, slices=n)
+      )
+    )
+    value, grad = loss(logits)
     np.testing.assert_allclose(value, want[0], rtol=1e-6)
     np.testing.assert_allclose(grad, want[1], rtol=1e-5, atol=1e-8)
+    # The loss's one reduction over the logits reads them in those parts
+    # (the default: gcd(300, 128) = 4 parts of 75).
+    shape = f"float32[4,{300 // part},{part}]"
+    reads = [
+      e
+      for e in equations(loss, logits)
+      if e.primitive.name == "reduce"
+      and any(str(v.aval) == shape for v in e.invars)
+    ]
+    assert len(reads) == 1, (slices, shape)
 
 
 def test_cross_entropy_counts_negative_targets_from_the_end_like_optax():
