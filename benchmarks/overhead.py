@@ -520,13 +520,17 @@ def _shape_bytes(text: str) -> int:
 
 
 def _operands(line: str, op: str) -> list[str]:
-  """The instruction names inside `op(...)` on an HLO line, each once."""
+  """The instruction names inside `op(...)` on an HLO line, each once; an
+  element of a tuple-shaped one as `name#k` where the text names it so (the
+  HLO of XLA:GPU's dumps since jax 0.11, `%gemm#1`, where `as_text()` has a
+  get-tuple-element)."""
   start = line.index(f" {op}(") + len(op) + 2
   depth, end = 1, start
   while depth:
     depth += {"(": 1, ")": -1}.get(line[end], 0)
     end += 1
-  return list(dict.fromkeys(re.findall(r"%([\w.\-]+)", line[start : end - 1])))
+  names = re.findall(r"%([\w.\-]+(?:#\d+)?)", line[start : end - 1])
+  return list(dict.fromkeys(names))
 
 
 def kernel_list(hlo_text: str) -> list[tuple[str, int]]:
@@ -569,6 +573,9 @@ def kernel_lines(hlo_text: str) -> tuple[list[tuple[str, int, str]], dict]:
       name = lhs.split()[-1].lstrip("%")
       result = rhs[: rhs.index(f" {op}(")]
       sizes[name] = _shape_bytes(result)
+      if result.strip().startswith("("):  # each element, for `name#k`
+        for k, (dtype, dims) in enumerate(_SHAPE.findall(result)):
+          sizes[f"{name}#{k}"] = _shape_bytes(f"{dtype}[{dims}]")
       if op in _NO_KERNEL:
         continue
       if op in HOLDERS and _SMALL_CALL not in line:

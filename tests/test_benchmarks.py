@@ -1225,6 +1225,28 @@ ENTRY %main (x: bf16[4,8], w: bf16[8,4], q: bf16[4,4]) -> bf16[4,4] {
   ]
 
 
+def test_kernel_bytes_read_a_tuple_element_named_with_a_hash():
+  # XLA:GPU's dumped HLO (jax 0.11) names an element of a tuple-shaped
+  # operand `%name#k`, where `as_text()` has a get-tuple-element: the
+  # element's bytes, not the whole tuple's. bf16[4,8] is 64 bytes, bf16[4,4]
+  # 32, f32[4] 16.
+  lines = [
+    "ENTRY %main (x: bf16[4,8], w: bf16[8,4]) -> bf16[4,4] {",
+    "  %x = bf16[4,8]{1,0} parameter(0)",
+    "  %w = bf16[8,4]{1,0} parameter(1)",
+    "  %mm = (bf16[4,4]{1,0}, f32[4]{0}, s8[64]{0}) custom-call(%x, %w),"
+    ' custom_call_target="__cublas$lt$matmul"',
+    "  %f = bf16[4,4]{1,0} fusion(%mm#0, %mm#1), kind=kLoop, calls=%c",
+    "  ROOT %g = bf16[4,4]{1,0} fusion(%mm#1, %f, %mm#1), kind=kLoop, calls=%c",
+    "}",
+  ]
+  assert overhead.kernel_list("\n".join(lines)) == [
+    ("custom-call", 64 + 64 + 32 + 16),  # its workspace left out
+    ("fusion", 32 + 16 + 32),  # elements 0 and 1, and its result
+    ("fusion", 16 + 32 + 32),  # element 1 once, f, the result
+  ]
+
+
 def test_kernels_table_says_which_conditionals_are_left():
   result = overhead.main(["--dims", "16,32,4", "--kernels", "--update-only"])
   k = result["kernels"]
