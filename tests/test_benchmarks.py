@@ -658,29 +658,37 @@ def test_write_json_keeps_the_whole_file_it_had(monkeypatch, tmp_path):
   assert json.loads(out.read_text()) == {"rows": [1]}
 
 
+def _recorded_losses(monkeypatch) -> list[tuple[bool, int | None]]:
+  """`gpt_model.cross_entropy` replaced by itself recording each call's
+  `(one_pass, slices)`, in order, into the list returned."""
+  calls, cross_entropy = [], gpt_model.cross_entropy
+
+  def recorded(logits, targets, *, one_pass=True, slices=None):
+    calls.append((one_pass, slices))
+    return cross_entropy(logits, targets, one_pass=one_pass, slices=slices)
+
+  monkeypatch.setattr(gpt_model, "cross_entropy", recorded)
+  return calls
+
+
 def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
   def broken(*args, **kwargs):
     raise RuntimeError("no trace")
 
   # The run's loss, GELU and q/k/v layout as --lse, --gelu and --qkv say:
   # each call traced is recorded.
-  calls = {"one_pass": set(), "logistic": 0, "qkv": set()}
-  cross_entropy, gelu = gpt_model.cross_entropy, gpt_model.gelu_logistic
+  calls = {"logistic": 0, "qkv": set()}
+  losses, gelu = _recorded_losses(monkeypatch), gpt_model.gelu_logistic
   attention_call = gpt_model.CausalSelfAttention.__call__
 
   def recorded_attention(self, x):
     calls["qkv"].add(self.qkv)
     return attention_call(self, x)
 
-  def recorded_loss(logits, targets, *, one_pass=True, slices=None):
-    calls["one_pass"].add(one_pass)
-    return cross_entropy(logits, targets, one_pass=one_pass, slices=slices)
-
   def recorded_gelu(x):
     calls["logistic"] += 1
     return gelu(x)
 
-  monkeypatch.setattr(gpt_model, "cross_entropy", recorded_loss)
   monkeypatch.setattr(gpt_model, "gelu_logistic", recorded_gelu)
   monkeypatch.setattr(
     gpt_model.CausalSelfAttention, "__call__", recorded_attention
@@ -699,7 +707,8 @@ def test_gpt2_profile_that_fails_keeps_the_timings(monkeypatch, tmp_path):
   saved = json.loads(out.read_text())
   assert [r["step"] for r in saved["rows"]] == ["hand-bf16", "bf16-mixed"]
   assert "profiles" not in saved
-  assert calls["one_pass"] == {False} and calls["logistic"] > 0
+  assert {one_pass for one_pass, _ in losses} == {False}
+  assert calls["logistic"] > 0
   assert calls["qkv"] == {"dense"}
   assert saved["loss"] == "logits, two-pass LSE" and saved["gelu"] == "logistic"
   assert saved["qkv"] == "dense"
@@ -760,36 +769,17 @@ def test_gpt2_kernels_counts_the_finite_checks_reductions(capsys):
 def test_gpt2_lse_slices_reach_the_loss_and_name_the_run(monkeypatch):
   # --lse-slices N: the one-pass log-sum-exp's rows cut in N parts, in every
   # step compiled, and said in the run's loss label.
-  cross_entropy, seen = gpt_model.cross_entropy, set()
-
-  def recorded_loss(logits, targets, *, one_pass=True, slices=None):
-    seen.add((one_pass, slices))
-    return cross_entropy(logits, targets, one_pass=one_pass, slices=slices)
-
-  monkeypatch.setattr(gpt_model, "cross_entropy", recorded_loss)
-  result = gpt2.main(
-    [
-      *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--no-plain"),
-      *("--autocast", "", "--kernels", "--lse-slices", "4"),
-    ]
-  )
-  assert seen == {(True, 4)}
+  losses = _recorded_losses(monkeypatch)
+  argv = [
+    *("--tiny", "--presets", "bf16-mixed", "--batch", "2", "--no-plain"),
+    *("--autocast", "", "--kernels"),
+  ]
+  result = gpt2.main([*argv, "--lse-slices", "4"])
+  assert set(losses) == {(True, 4)}
   assert result["loss"] == "logits, LSE in 4 slices"
-  seen.clear()
-  gpt2.main(
-    [
-      "--tiny",
-      "--presets",
-      "bf16-mixed",
-      "--batch",
-      "2",
-      "--no-plain",
-      "--autocast",
-      "",
-      "--kernels",
-    ]
-  )
-  assert seen == {(True, None)}  # the default: gcd(vocabulary, 128)
+  losses.clear()
+  gpt2.main(argv)
+  assert set(losses) == {(True, None)}  # the default: gcd(vocabulary, 128)
 
 
 def test_ptx_loads_reads_each_kernels_loads_by_width(tmp_path, capsys):
@@ -1027,13 +1017,7 @@ def test_torch_side_by_side_verdicts_come_from_tokens_per_s():
 
 
 def test_loss_head_reads_xla_temporaries_of_both_losses(monkeypatch):
-  cross_entropy, slices = gpt_model.cross_entropy, []
-
-  def recorded_loss(logits, targets, **kwargs):
-    slices.append(kwargs.get("slices"))
-    return cross_entropy(logits, targets, **kwargs)
-
-  monkeypatch.setattr(gpt_model, "cross_entropy", recorded_loss)
+  losses = _recorded_losses(monkeypatch)
   result = loss_head.main(
     [
       *("--batch", "2", "--seq", "128", "--d-model", "64"),
@@ -1063,8 +1047,9 @@ def test_loss_head_reads_xla_temporaries_of_both_losses(monkeypatch):
   # reads them twice.
   assert 0 < rows["logits"]["mbytes"] < rows[two_pass]["mbytes"]
   # --lse-slices 16,4: those rows' losses cut the rows in 16 and 4 parts,
-  # the others in the default's (gcd(4096, 128) = 128, None).
-  assert slices == [None, 16, 4, None]
+  # the first in the default's (gcd(4096, 128) = 128, None); then the
+  # two-pass loss.
+  assert losses == [(True, None), (True, 16), (True, 4), (False, None)]
   # A loop's kernels would be counted once, not per chunk: left out.
   assert rows["fused (chunk 16)"]["mbytes"] is None
   assert "ms" not in result["rows"][0]  # CPU: not run, not timed
