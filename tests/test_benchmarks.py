@@ -2173,6 +2173,11 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(
     with tarfile.open(tgz) as tar:
       return sorted(tar.getnames())
 
+  # A trace an earlier call left on a warm machine: not archived again.
+  old = json_dir / "traces" / "earlier" / "perfetto_trace.json.gz"
+  old.parent.mkdir(parents=True)
+  old.write_bytes(b"old")
+  os.utime(old, (time.time() - 60, time.time() - 60))
   seen = []
 
   def run_job(name, job, where, timeout=None):
@@ -2182,11 +2187,14 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(
         "results/environment.json",
         "results/overhead-update.json",
         "results/traces",
+        "results/traces/earlier",
+        "results/traces/overhead-update.json.gz",
       ]
     seen.append(name)
     (where / f"{name}.json").write_text(json.dumps({"ran": name}))
     (where / "traces").mkdir(exist_ok=True)
     (where / "traces" / "t.xplane.pb").write_bytes(b"raw")
+    (where / "traces" / f"{name}.json.gz").write_bytes(b"new")
     if name == "overhead-update":
       raise RuntimeError("overhead-update failed (exit 1)")
     return 0.0
@@ -2198,12 +2206,15 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(
       [*argv, "--only", "overhead-update,overhead-64", "--archive", str(tgz)]
     )
   assert seen == ["overhead-update", "overhead-64"]
-  assert archived() == [  # the raw profiler files left out
+  assert archived() == [  # the raw profiler files and old traces left out
     "results",
     "results/environment.json",
     "results/overhead-64.json",
     "results/overhead-update.json",
     "results/traces",
+    "results/traces/earlier",
+    "results/traces/overhead-64.json.gz",
+    "results/traces/overhead-update.json.gz",
   ]
 
 
