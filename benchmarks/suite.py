@@ -241,9 +241,10 @@ GPU_JOBS = {
   " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense --gelu epilogue"
   " --lse-slices 24 --xla-flags=--xla_gpu_enable_triton_gemm=false"
   " --clocks 100 --profile benchmarks/results/traces/gpt2-candidate",
-  # gpt2-candidate with the rows cut in 12 parts of 4192 (the loss layer
-  # alone was fastest so on the H200 at 22:19 UTC on 2026-11-27: 7.38 ms
-  # against 7.58 for 24 parts and 8.00 for the default's 128), untraced.
+  # gpt2-candidate with the rows cut in 12 parts of 4192 (of the one-pass
+  # cuts, the loss layer alone was fastest so on the H200 at 22:19 UTC on
+  # 2026-11-27: 7.38 ms against 7.58 for 24 parts and 8.00 for the
+  # default's 128), untraced.
   "gpt2-candidate-lse12": "gpt2.py --no-plain --autocast '' --presets"
   " bf16-mixed --steps-per-round 30 --rounds 5 --qkv dense --gelu epilogue"
   " --lse-slices 12 --xla-flags=--xla_gpu_enable_triton_gemm=false"
@@ -546,7 +547,9 @@ def archive(
 def _run_jobs(args, todo, json_dir, gpu, start, failed) -> None:
   """Runs `todo`'s jobs in order; appends to `failed` the names of those
   that failed, timed out or were not started."""
-  since = time.time()  # the archive leaves out older traces
+  # The archive leaves out older traces. A second's margin: a file's mtime
+  # comes from a coarser clock than time.time() on some kernels.
+  since = time.time() - 1.0
   env_name = "environment-gpu.json" if gpu else "environment.json"
   # Written first, so a run cut short still says which machine it was.
   (json_dir / env_name).write_text(json.dumps(environment(gpu), indent=1))

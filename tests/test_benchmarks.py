@@ -2173,17 +2173,21 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(
     with tarfile.open(tgz) as tar:
       return sorted(tar.getnames())
 
-  # A trace an earlier call left on a warm machine: not archived again.
+  # A trace an earlier call left on a warm machine: not archived again. An
+  # earlier result outside traces/ still is.
   old = json_dir / "traces" / "earlier" / "perfetto_trace.json.gz"
   old.parent.mkdir(parents=True)
   old.write_bytes(b"old")
-  os.utime(old, (time.time() - 60, time.time() - 60))
+  (json_dir / "earlier.json").write_text(json.dumps({"ran": "earlier"}))
+  for path in (old, json_dir / "earlier.json"):
+    os.utime(path, (time.time() - 60, time.time() - 60))
   seen = []
 
   def run_job(name, job, where, timeout=None):
     if seen:  # the first job's results were archived before this one ran
       assert archived() == [
         "results",
+        "results/earlier.json",
         "results/environment.json",
         "results/overhead-update.json",
         "results/traces",
@@ -2208,6 +2212,7 @@ def test_suite_runs_only_the_named_jobs_in_order_and_archives(
   assert seen == ["overhead-update", "overhead-64"]
   assert archived() == [  # the raw profiler files and old traces left out
     "results",
+    "results/earlier.json",
     "results/environment.json",
     "results/overhead-64.json",
     "results/overhead-update.json",
