@@ -387,8 +387,8 @@ def logsumexp_one_pass(x, slices: int | None = None):
   `math.gcd(length, 128)`, up to 128 parts with no padding (for GPT-2's
   50304, 128 of 393). How long a part is decides how XLA:GPU reads it:
   bfloat16 logits compiled for an H200 (jax 0.10.2 and 0.11.2), parts of
-  393 values (an odd number) are read one value at a time, parts of 524 or
-  2096 four at a time (BENCHMARKS.md, `benchmarks/ptx_loads.py`).
+  393 values (an odd number) are read one value at a time, parts of 524,
+  2096 or 4192 four at a time (BENCHMARKS.md, `benchmarks/ptx_loads.py`).
   `jax.nn.logsumexp` reads `x` twice: its max, then its sum of
   exponentials. A row of -inf gives -inf, a +inf gives +inf, a NaN NaN.
 
