@@ -41,6 +41,7 @@ import re
 import device_time
 import md
 import overhead
+import timing
 
 # A PTX global load, store or atomic and its modifiers:
 # `ld.global.nc.v4.b16`, `red.global.add.f32`.
@@ -156,7 +157,9 @@ def main(argv=None) -> dict[str, list[dict]]:
     default="jit_step",
     help="the modules whose file names hold this (default: jit_step)",
   )
-  p.add_argument("--top", type=int, default=25)
+  p.add_argument(
+    "--top", type=timing.count_arg, default=25, help="rows per module"
+  )
   args = p.parse_args(argv)
   if not pathlib.Path(args.dump).is_dir():
     p.error(f"{args.dump} is not a folder (the one of --xla_dump_to)")

@@ -901,6 +901,10 @@ def test_ptx_loads_reads_each_kernels_loads_by_width(tmp_path, capsys):
   with pytest.raises(SystemExit):
     ptx_loads.main([str(tmp_path / "missing")])
   assert "is not a folder" in capsys.readouterr().err
+  for top in ("0", "-1"):  # -1 would drop the last row, not show them all
+    with pytest.raises(SystemExit):
+      ptx_loads.main([str(tmp_path), "--top", top])
+    assert f"must be >= 1, got {top}" in capsys.readouterr().err
   (tmp_path / "module_0001.jit_step.2.ptx").unlink()  # jax 0.11, no flag
   ptx_loads.main([str(tmp_path)])
   assert "--xla_dump_emitter_re" in capsys.readouterr().out
