@@ -204,12 +204,10 @@ def parse_args(argv=None):
   if args.lse == "two-pass" and args.loss == "fused":
     p.error("--lse two-pass is the logits loss's: drop it or --loss fused")
   if args.lse_slices is not None:
-    vocab = config(args.tiny)["vocab"]
-    if args.lse_slices < 1 or vocab % args.lse_slices:
-      p.error(
-        f"--lse-slices must be a positive int that divides the vocabulary,"
-        f" {vocab}; got {args.lse_slices}"
-      )
+    try:  # the rule cross_entropy applies, at parse time
+      gpt_model.checked_slices(args.lse_slices, config(args.tiny)["vocab"])
+    except ValueError as e:
+      p.error(f"--lse-slices: {e}")
     if args.lse != "one-pass" or args.loss != "logits":
       p.error(
         "--lse-slices cuts the one-pass log-sum-exp's rows: it needs --loss"

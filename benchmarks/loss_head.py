@@ -98,11 +98,10 @@ def parse_args(argv=None):
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   for n in args.lse_slices or []:
-    if args.vocab % n:
-      p.error(
-        f"--lse-slices: {n} does not divide --vocab {args.vocab}; each must"
-        " (gpt_model.cross_entropy's slices)"
-      )
+    try:  # the rule cross_entropy applies, at parse time
+      gpt_model.checked_slices(n, args.vocab)
+    except ValueError as e:
+      p.error(f"--lse-slices: {e}")
   return args
 
 

@@ -346,7 +346,7 @@ def cross_entropy(
       " with one_pass=False, whose passes read whole rows: drop slices"
     )
   if one_pass:
-    slices = _checked_slices(slices, logits.shape[-1])
+    slices = checked_slices(slices, logits.shape[-1])
   # Both passes under one name: the compiled HLO's metadata, and so a
   # profile, say which kernels are the loss's.
   with jax.named_scope("cross_entropy"):
@@ -401,7 +401,7 @@ def logsumexp_one_pass(x, slices: int | None = None):
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(dtype)
   n = x.shape[-1]
-  slices = _checked_slices(slices, n)
+  slices = checked_slices(slices, n)
   x = x.reshape(*x.shape[:-1], slices, n // slices)
 
   def combine(a, b):
@@ -417,9 +417,10 @@ def logsumexp_one_pass(x, slices: int | None = None):
   return m + jnp.log(s)
 
 
-def _checked_slices(slices, n: int) -> int:
+def checked_slices(slices, n: int) -> int:
   """`logsumexp_one_pass`'s `slices` for rows of `n`: None as
-  `math.gcd(n, 128)`, else a positive int that divides `n`.
+  `math.gcd(n, 128)`, else a positive int that divides `n`. The benchmarks'
+  `--lse-slices` flags are checked by it at parse time.
 
   Raises:
     ValueError: for anything else, naming the divisors of `n` up to 128.

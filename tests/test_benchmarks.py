@@ -105,9 +105,24 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
       ["--torch", "--lse-slices", "24"],
       "--lse-slices 24: --lse, --lse-slices, --gelu and --qkv change the",
     ),
-    (gpt2.parse_args, ["--lse-slices", "0"], "vocabulary, 50304; got 0"),
-    (gpt2.parse_args, ["--lse-slices", "25"], "vocabulary, 50304; got 25"),
-    (gpt2.parse_args, ["--tiny", "--lse-slices", "3"], "vocabulary, 128; got"),
+    # --lse-slices: gpt_model.checked_slices's rule and words, at parse time.
+    (
+      gpt2.parse_args,
+      ["--lse-slices", "0"],
+      "--lse-slices: slices must be a positive Python int that divides the"
+      " rows' length 50304 (its divisors up to 128: 1, 2, 3, 4, 6, 8, 12,"
+      " 16, 24, 32, 48, 64, 96, 128); got 0",
+    ),
+    (
+      gpt2.parse_args,
+      ["--lse-slices", "25"],
+      "128: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128); got 25",
+    ),
+    (
+      gpt2.parse_args,
+      ["--tiny", "--lse-slices", "3"],
+      "length 128 (its divisors up to 128: 1, 2, 4, 8, 16, 32, 64, 128); got 3",
+    ),
     (
       gpt2.parse_args,
       ["--lse", "two-pass", "--lse-slices", "24"],
@@ -125,7 +140,13 @@ def test_every_gpu_job_line_is_accepted_by_its_script(capsys):
     (gpt2_memory.parse_args, ["--target", "a100"], "invalid choice: 'a100'"),
     (loss_head.parse_args, ["--chunks", "64,0"], "'64,0' is not a comma"),
     (loss_head.parse_args, ["--chunks", "64,x"], "'64,x' is not a comma"),
-    (loss_head.parse_args, ["--lse-slices", "24,5"], "5 does not divide"),
+    (
+      loss_head.parse_args,
+      ["--lse-slices", "24,5"],
+      "--lse-slices: slices must be a positive Python int that divides the"
+      " rows' length 50304 (its divisors up to 128: 1, 2, 3, 4, 6, 8, 12,"
+      " 16, 24, 32, 48, 64, 96, 128); got 5",
+    ),
     (loss_head.parse_args, ["--lse-slices", "0"], "'0' is not a comma"),
   ):
     with pytest.raises(SystemExit):
